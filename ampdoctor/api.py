@@ -1,0 +1,220 @@
+"""``diagnose``: orchestrates capture passes, analysis and recommendations on the user's model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ._version import __version__
+from .analysis import (
+    ScaleFinding,
+    ScaleProbe,
+    UnderflowFinding,
+    analyze,
+    forward_origin,
+    lost_gradients,
+    near_limit,
+    reference_extra_bits,
+)
+from .capture import LossFn, PassSpec, StateGuard, capture_params, iter_tensors, run_pass
+from .errors import AmpDoctorError
+from .fixes import unwrap_model
+from .recommend import recommend
+from .records import BATCH, LOSS, PassTrace, RunInfo
+from .report import Report
+from .stats import format_limits
+from .thresholds import DEFAULT_FP16_SCALE, MAX_REFERENCE_EXTRA_BITS, MIN_REFERENCE_EXTRA_BITS
+
+_AUTOCAST_NOTES = {
+    "cpu": "CPU autocast keeps exp, pow, sum, softmax and layer_norm in float16/bfloat16 when their input is; "
+    "CUDA autocast runs them in float32, so some CPU findings would not happen on CUDA.",
+    "cuda": "CUDA autocast op lists: matmul/conv/linear in the low dtype; softmax, exp, pow, norms and losses "
+    "in float32.",
+}
+
+
+def _resolve_scale(scaler: Any, scale: Optional[float], dtype: torch.dtype) -> tuple[float, str]:
+    """The loss scale of the backward. The user's scaler is only read (``get_scale`` changes nothing)."""
+    if scale is not None:
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise AmpDoctorError(f"scale must be a positive finite number, got {scale!r}")
+        return float(scale), "scale= argument"
+    if scaler is not None:
+        if not callable(getattr(scaler, "get_scale", None)):
+            raise AmpDoctorError(f"scaler must be a GradScaler (with get_scale()), got {type(scaler).__name__}")
+        enabled = getattr(scaler, "is_enabled", lambda: True)()
+        if not enabled:
+            return 1.0, "the given scaler is disabled: unscaled backward"
+        return float(scaler.get_scale()), "scaler.get_scale()"
+    if dtype == torch.float16:
+        return DEFAULT_FP16_SCALE, "GradScaler default; no scaler given"
+    return 1.0, "unscaled; bfloat16 needs no scaler"
+
+
+def _device_type(root: nn.Module, batch: Any) -> str:
+    param = next(root.parameters(), None)
+    if param is not None:
+        return param.device.type
+    for _, t in iter_tensors(batch, "batch"):
+        return t.device.type
+    return "cpu"
+
+
+def _describe_device(root: nn.Module, device_type: str) -> str:
+    param = next(root.parameters(), None)
+    if device_type == "cuda" and param is not None and param.is_cuda:
+        return f"cuda:{param.device.index} ({torch.cuda.get_device_name(param.device)})"
+    return device_type
+
+
+def diagnose(
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: Optional[LossFn] = None,
+    dtype: torch.dtype = torch.float16,
+    device_type: Optional[str] = None,
+    scaler: Any = None,
+    backward: bool = True,
+    scale: Optional[float] = None,
+) -> Report:
+    """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
+
+    Args:
+        model: the model as trained (DDP and ``torch.compile`` wrappers are peeled; the original runs eagerly).
+        batch: a Tensor (``model(batch)``), a tuple/list (``model(*batch)``) or a dict (``model(**batch)``).
+        loss_fn: ``loss_fn(output, batch) -> scalar``. Without it: a scalar output, ``output.loss``, or a
+            surrogate (the mean of the floating outputs), which the report names.
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+        device_type: autocast device type; default: the parameters' device.
+        scaler: a ``GradScaler`` (``torch.amp`` or the deprecated ``torch.cuda.amp``); only ``get_scale()`` is
+            read. Without it, float16 uses GradScaler's default 2**16 and bfloat16 is unscaled.
+        backward: also run and analyse the scaled backward.
+        scale: an explicit loss scale (overrides ``scaler``).
+
+    Nothing the user owns changes: parameters, buffers, ``.grad`` fields, ``training`` flags, RNG states and
+    the scaler are as before, and no hook stays behind. Each pass reads statistics back from the device once.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise AmpDoctorError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    if not isinstance(batch, (torch.Tensor, tuple, list, Mapping)):
+        raise AmpDoctorError(
+            f"batch must be a Tensor, a tuple/list of positional inputs or a dict of keyword inputs, "
+            f"got {type(batch).__name__}"
+        )
+    root, notes = unwrap_model(model)
+    device_type = device_type or _device_type(root, batch)
+    used_scale, scale_source = _resolve_scale(scaler, scale, dtype)
+    limits = format_limits(dtype)
+    named = list(root.named_modules())
+    spec = PassSpec(
+        root=root,
+        names={id(m): name for name, m in named},
+        params=list(root.named_parameters()),
+        batch=batch,
+        loss_fn=loss_fn,
+        device_type=device_type,
+        dtype=dtype,
+        backward=backward,
+    )
+    guard = StateGuard(root)
+    try:
+        modules = capture_params(spec, named)
+
+        def run(at_scale: float, detailed: bool = False, zoom: Optional[tuple[str, int]] = None) -> PassTrace:
+            guard.rewind()  # the same RNG draws and buffers for every pass: re-runs are identical
+            trace, source = run_pass(spec, at_scale, detailed, zoom)
+            loss_sources.append(source)
+            return trace
+
+        loss_sources: list[str] = []
+        survey = run(used_scale)
+        origin = forward_origin(survey)
+        scale_finding: Optional[ScaleFinding] = None
+        underflow: Optional[UnderflowFinding] = None
+        if origin is None and survey.backward_ran:
+            if not survey.gradients_finite():
+                scale_finding = _probe_scales(run, survey, modules)
+            else:
+                underflow = _underflow_reference(run, survey, modules, limits)
+        needs_detail = (
+            origin is not None
+            or scale_finding is not None
+            or (underflow is not None and underflow.lost > 0)
+            or bool(near_limit(survey, modules, limits))
+        )
+        final = survey
+        if needs_detail:
+            zoom = None
+            if origin is not None and origin.module != BATCH:
+                zoom = (LOSS, 0) if origin.module == LOSS else (origin.module, origin.call)
+            final = run(used_scale, detailed=True, zoom=zoom)
+    finally:
+        guard.rewind()
+    if loss_sources[0] == "surrogate":
+        notes.append(
+            "no loss_fn given and the output has no loss: the backward used a surrogate loss (mean of the "
+            "floating outputs); pass loss_fn= for the real gradients"
+        )
+    run_info = RunInfo(
+        torch_version=torch.__version__,
+        ampdoctor_version=__version__,
+        device=_describe_device(root, device_type),
+        device_type=device_type,
+        limits=limits,
+        scale=used_scale,
+        scale_source=scale_source,
+        loss_source=loss_sources[0],
+        model_class=type(root).__name__,
+        autocast_note=_AUTOCAST_NOTES.get(device_type, ""),
+        notes=notes,
+    )
+    findings = analyze(final, modules, limits, underflow, scale_finding)
+    return Report(run_info, modules, final, findings, recommend(findings, run_info))
+
+
+def _probe_scales(run: Any, survey: PassTrace, modules: Any) -> ScaleFinding:
+    """Binary search for the largest power-of-two scale >= 1 below the used one with finite gradients.
+
+    Assumes finiteness is monotone in the scale, which holds when overflow is what made gradients non-finite.
+    """
+    used = survey.scale
+    probes: list[ScaleProbe] = []
+    traces: dict[int, PassTrace] = {}
+
+    def finite_at(exponent: int) -> bool:
+        trace = run(2.0**exponent)
+        traces[exponent] = trace
+        ok = trace.gradients_finite() and trace.forward_finite()
+        probes.append(ScaleProbe(2.0**exponent, ok))
+        return ok
+
+    top = math.ceil(math.log2(used)) if used > 1 else 0  # 2**top >= used: known (or assumed) non-finite
+    if used <= 1 or not finite_at(0):
+        return ScaleFinding(used, probes, None, None)
+    low, high = 0, top
+    while high - low > 1:
+        mid = (low + high) // 2
+        if finite_at(mid):
+            low = mid
+        else:
+            high = mid
+    best = traces[low]
+    others = [t for e, t in traces.items() if e != low] + [survey]
+    lost = lost_gradients(best, others, modules, "best of the re-runs at other scales")
+    return ScaleFinding(used, sorted(probes, key=lambda p: p.scale), 2.0**low, lost.share if lost else None)
+
+
+def _underflow_reference(run: Any, survey: PassTrace, modules: Any, limits: Any) -> Optional[UnderflowFinding]:
+    """Re-run the backward at a much larger scale that the survey's gradient maxima say stays finite."""
+    extra = reference_extra_bits(survey, limits, MAX_REFERENCE_EXTRA_BITS)
+    while extra >= MIN_REFERENCE_EXTRA_BITS:
+        reference = run(survey.scale * 2.0**extra)
+        if reference.gradients_finite():
+            return lost_gradients(survey, [reference], modules, f"backward at scale {survey.scale * 2.0**extra:g}")
+        extra //= 2
+    return None

@@ -1,0 +1,539 @@
+"""Capture: run one instrumented AMP step on a live model and turn what the hooks saw into records.
+
+Only this module (and ``fixes``) touches a live model. Every hook handle is removed in ``finally``; hooks never
+raise (they record the failure, and the pass raises after it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import random
+import traceback
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .errors import AmpDoctorError
+from .records import (
+    LOSS,
+    GradEvent,
+    ModuleCall,
+    ModuleInfo,
+    OpFinding,
+    ParamRecord,
+    PassTrace,
+    SourceLocation,
+    TensorRecord,
+    TensorStats,
+)
+from .stats import StatsCollector, dtype_name
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+_MAX_WALK_DEPTH = 8
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+# ampdoctor's own model code (the demo) is user code for the zoom; the rest of the package is not.
+_OWN_MODEL_FILES = frozenset({os.path.join(_OWN_DIR, "demo.py")})
+
+
+# -- walking nested inputs and outputs ---------------------------------------------------------------------
+
+
+def iter_tensors(obj: Any, path: str, _depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor in tuples, lists, dicts, dataclasses and ``ModelOutput``s."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    if _depth >= _MAX_WALK_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    if isinstance(obj, Mapping):  # dicts, and Hugging Face ModelOutput (an OrderedDict)
+        for key, value in obj.items():
+            yield from iter_tensors(value, f"{path}[{key!r}]", _depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        names = getattr(obj, "_fields", None)  # namedtuple
+        for i, value in enumerate(obj):
+            sub = f"{path}.{names[i]}" if names else f"{path}[{i}]"
+            yield from iter_tensors(value, sub, _depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None), f"{path}.{f.name}", _depth + 1)
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """A Tensor → ``model(batch)``, a tuple/list → ``model(*batch)``, a dict → ``model(**batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+# -- the user's state: snapshot, rewind before every pass, restore at the end ------------------------------
+
+
+class StateGuard:
+    """Saves what a forward may change (RNG streams, buffers, train/eval flags) and puts it back exactly.
+
+    Parameters and ``.grad`` are never written by a pass (gradients are taken with ``torch.autograd.grad``),
+    so they need no copy.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = (
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
+        self.py_rng = random.getstate()
+        self.np_rng = np.random.get_state()
+        self.buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    self.buffers.append((module, name, buf, buf.detach().clone()))
+        self.training = [(m, m.training) for m in model.modules()]
+
+    def rewind(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_rng)
+        np.random.set_state(self.np_rng)
+        with torch.no_grad():
+            for module, name, original, saved in self.buffers:
+                if module._buffers.get(name) is not original:  # a forward that re-assigned the buffer
+                    module._buffers[name] = original
+                original.copy_(saved)
+        for module, flag in self.training:
+            module.training = flag
+
+
+# -- op-level zoom -----------------------------------------------------------------------------------------
+
+
+def user_location() -> Optional[SourceLocation]:
+    """The innermost stack frame outside torch and ampdoctor: the line of the user's (or library's) model code."""
+    for frame in reversed(traceback.extract_stack()):
+        filename = frame.filename
+        internal = filename.startswith(_OWN_DIR) and filename not in _OWN_MODEL_FILES
+        if internal or filename.startswith(_TORCH_DIR) or filename.startswith("<"):
+            continue
+        return SourceLocation(filename, frame.lineno or 0, frame.name, (frame.line or "").strip())
+    return None
+
+
+def _value_flags(t: torch.Tensor) -> tuple[int, int, int]:
+    return int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()), int(torch.isneginf(t).sum())
+
+
+class OpZoom(TorchDispatchMode):
+    """Finds the first aten op whose output is non-finite while its inputs had no NaN or +inf.
+
+    Active only inside the origin call of a deterministic re-run; it synchronises per op, which is fine there.
+    An op that merely fills a ``-inf`` constant (``masked_fill(-inf)``) or passes a ``-inf`` mask on creates
+    nothing.
+    """
+
+    def __init__(self, module: str, call: int) -> None:
+        super().__init__()
+        self.module = module
+        self.call = call
+        self.finding: Optional[OpFinding] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if self.finding is None:
+            try:
+                self._inspect(func, args, kwargs or {}, out)
+            except Exception:  # the zoom is best effort; never break the user's forward
+                pass
+        return out
+
+    def _inspect(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not outputs:
+            return
+        out_flags = [_value_flags(t) for t in outputs]
+        if not any(sum(f) for f in out_flags):
+            return
+        leaves = tree_flatten((args, kwargs))[0]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
+            return  # an explicit inf/NaN constant: a fill, not an overflow
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        in_flags = [_value_flags(t) for t in inputs]
+        if any(nan or posinf for nan, posinf, _ in in_flags):
+            return  # propagation of an existing NaN/inf
+        input_has_neginf = any(neginf for _, _, neginf in in_flags)
+        nan, posinf, neginf = (sum(f[i] for f in out_flags) for i in range(3))
+        if not nan and not posinf and input_has_neginf:
+            return  # a -inf mask passed on
+        abs_max: list[Optional[float]] = []
+        for t in inputs:
+            finite = t[torch.isfinite(t)]
+            abs_max.append(float(finite.abs().max()) if finite.numel() else None)
+        self.finding = OpFinding(
+            op=_op_name(func),
+            module=self.module,
+            call=self.call,
+            input_dtypes=[dtype_name(t.dtype) for t in inputs],
+            input_abs_max=abs_max,
+            output_dtype=dtype_name(outputs[0].dtype),
+            output_nan_count=nan,
+            output_posinf_count=posinf,
+            output_neginf_count=neginf,
+            location=user_location(),
+        )
+
+
+def _op_name(func: Any) -> str:
+    schema = getattr(func, "_schema", None)
+    name = str(schema.name) if schema is not None else str(func)  # "aten::bmm"
+    overload = getattr(func, "_overloadname", "default")
+    return name if overload in ("default", "") else f"{name}.{overload}"
+
+
+# -- the hooks ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _OpenCall:
+    index: int
+    module: str
+    call: int
+    class_name: str
+    parent: Optional[int]
+    inputs: list[tuple[str, int, bool, Optional[int]]]
+    outputs: list[tuple[str, int, bool]] = field(default_factory=list)
+    end_order: int = -1
+
+
+@dataclass
+class _GradSeen:
+    order: int
+    kind: str
+    slot: int
+    call: Optional[int]
+    path: str
+    param: Optional[str]
+    via_base: bool
+
+
+def _hook_target(t: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple[Any, Any, Any]]]:
+    """Where to hang a gradient hook on ``t``.
+
+    A hook on a view never fires once a later op modifies the view in place (``ReLU(inplace=True)`` after a
+    ``Linear`` on 3-D input); one on the view's base does, with the base's gradient. When the view covers only
+    part of the base, return what is needed to map the base gradient back onto the view.
+    """
+    base = t._base
+    if base is None or not base.requires_grad:
+        return t, None
+    if base.numel() == t.numel():
+        return base, None
+    return base, (tuple(t.size()), tuple(t.stride()), t.storage_offset() - base.storage_offset())
+
+
+class Recorder:
+    """Installs forward hooks on every module and gradient hooks on what they return; records plain numbers."""
+
+    def __init__(
+        self,
+        names: dict[int, str],
+        modules: list[nn.Module],
+        collector: StatsCollector,
+        record_grads: bool,
+        zoom: Optional[tuple[str, int]] = None,
+    ) -> None:
+        self.names = names
+        self.modules = modules
+        self.collector = collector
+        self.record_grads = record_grads
+        self.zoom_target = zoom
+        self.zoom: Optional[OpZoom] = None
+        self._zoom_call: Optional[int] = None
+        self.calls: list[_OpenCall] = []
+        self.stack: list[int] = []
+        self.counts: dict[str, int] = {}
+        self.grads: list[_GradSeen] = []
+        self.error: Optional[BaseException] = None
+        self.last_module: Optional[str] = None
+        self._ends = itertools.count()
+        self._grad_order = itertools.count()
+        self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._handles: list[Any] = []
+
+    # install / remove
+    def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
+        for module in self.modules:
+            self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+        if self.record_grads:
+            for name, param in params:
+                if param.requires_grad:
+                    self._handles.append(param.register_hook(self._param_hook(name)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.close_zoom()
+
+    def close_zoom(self) -> None:
+        if self.zoom is not None and self._zoom_call is not None:
+            self._zoom_call = None
+            self.zoom.__exit__(None, None, None)
+
+    # forward
+    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        try:
+            name = self.names.get(id(module), "?")
+            number = self.counts.get(name, 0)
+            self.counts[name] = number + 1
+            index = len(self.calls)
+            inputs = []
+            for path, t in itertools.chain(iter_tensors(args, "args"), iter_tensors(kwargs, "kwargs")):
+                slot = self.collector.add(t)
+                inputs.append((path, slot, bool(t.requires_grad), self._producer(t)))
+                if self.record_grads and t.requires_grad and t.is_floating_point():
+                    self._grad_hook(t, "input", index, path)
+            parent = self.stack[-1] if self.stack else None
+            self.calls.append(_OpenCall(index, name, number, type(module).__name__, parent, inputs))
+            self.stack.append(index)
+            self.last_module = name
+            if self.zoom_target == (name, number) and self.zoom is None:
+                self.zoom = OpZoom(name, number)
+                self._zoom_call = index
+                self.zoom.__enter__()
+        except Exception as exc:  # never raise inside the user's forward
+            self.error = self.error or exc
+
+    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        try:
+            if not self.stack:
+                return
+            index = self.stack.pop()
+            if self._zoom_call == index:
+                self.close_zoom()
+            call = self.calls[index]
+            for path, t in iter_tensors(output, "out"):
+                slot = self.collector.add(t)
+                call.outputs.append((path, slot, bool(t.requires_grad)))
+                self._remember_producer(t, index)
+                if self.record_grads and t.requires_grad and t.is_floating_point():
+                    self._grad_hook(t, "output", index, path)
+            call.end_order = next(self._ends)
+        except Exception as exc:
+            self.error = self.error or exc
+
+    def _producer(self, t: torch.Tensor) -> Optional[int]:
+        seen = self._producers.get(id(t))
+        if seen is not None and seen[0]() is t:
+            return seen[1]
+        return None
+
+    def _remember_producer(self, t: torch.Tensor, index: int) -> None:
+        try:
+            self._producers[id(t)] = (weakref.ref(t), index)
+        except TypeError:
+            pass
+
+    # backward
+    def _grad_hook(self, t: torch.Tensor, kind: str, index: int, path: str) -> None:
+        target, view = _hook_target(t)
+
+        def hook(grad: torch.Tensor) -> None:
+            try:
+                g = grad
+                if view is not None and grad.is_contiguous() and grad.shape == target_shape:
+                    g = grad.as_strided(view[0], view[1], grad.storage_offset() + view[2])
+                slot = self.collector.add(g)
+                self.grads.append(_GradSeen(next(self._grad_order), kind, slot, index, path, None, target is not t))
+            except Exception as exc:
+                self.error = self.error or exc
+
+        target_shape = target.shape  # a shape, not the tensor: the closure must not keep activations alive
+        self._handles.append(target.register_hook(hook))
+
+    def _param_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            try:
+                slot = self.collector.add(grad)
+                self.grads.append(_GradSeen(next(self._grad_order), "param", slot, None, "grad", name, False))
+            except Exception as exc:
+                self.error = self.error or exc
+
+        return hook
+
+
+# -- one pass ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PassSpec:
+    """What every pass of one diagnosis shares."""
+
+    root: nn.Module
+    names: dict[int, str]  # id(module) -> qualified name
+    params: list[tuple[str, nn.Parameter]]  # unique, by canonical name
+    batch: Any
+    loss_fn: Optional[LossFn]
+    device_type: str
+    dtype: torch.dtype
+    backward: bool
+
+
+def resolve_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> tuple[torch.Tensor, str]:
+    """The loss a training loop would back-propagate, and where it came from."""
+    if loss_fn is not None:
+        loss = loss_fn(output, batch)
+        source = "loss_fn"
+    elif isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output.reshape(()), "scalar output"
+    elif isinstance(getattr(output, "loss", None), torch.Tensor):
+        return output.loss.reshape(()), "output.loss"
+    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"].reshape(()), "output['loss']"
+    else:
+        floats = [t for _, t in iter_tensors(output, "out") if t.is_floating_point() and t.numel()]
+        if not floats:
+            raise AmpDoctorError(
+                "the model returned no floating tensor to take a loss from; pass loss_fn=lambda output, batch: ..."
+            )
+        loss = torch.stack([t.float().mean() for t in floats]).sum()
+        return loss, "surrogate"
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise AmpDoctorError(f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean())")
+    return loss.reshape(()), source
+
+
+def run_pass(
+    spec: PassSpec,
+    scale: float,
+    detailed: bool,
+    zoom: Optional[tuple[str, int]] = None,
+) -> tuple[PassTrace, str]:
+    """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
+
+    The caller rewinds RNG and buffers before each pass. Gradients are taken with ``torch.autograd.grad`` so no
+    ``.grad`` field is touched.
+    """
+    collector = StatsCollector(spec.dtype, detailed)
+    modules = [m for m in spec.root.modules()]
+    recorder = Recorder(spec.names, modules, collector, spec.backward, zoom)
+    batch_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(spec.batch, "batch")]
+    loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
+    backward_ran = False
+    recorder.install(spec.params)
+    try:
+        with torch.enable_grad():
+            with torch.autocast(spec.device_type, dtype=spec.dtype):
+                try:
+                    output = call_model(spec.root, spec.batch)
+                except Exception as exc:
+                    where = f" (last module that ran: '{recorder.last_module or '<root>'}')"
+                    raise AmpDoctorError(f"the model's forward raised {type(exc).__name__}: {exc}{where}") from exc
+                finally:
+                    recorder.close_zoom()
+                try:
+                    if loss_zoom is not None:
+                        with loss_zoom:
+                            loss, loss_source = resolve_loss(output, spec.batch, spec.loss_fn)
+                    else:
+                        loss, loss_source = resolve_loss(output, spec.batch, spec.loss_fn)
+                except AmpDoctorError:
+                    raise
+                except Exception as exc:
+                    raise AmpDoctorError(f"the loss raised {type(exc).__name__}: {exc}") from exc
+            output_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(output, "out")]
+            loss_slot = collector.add(loss)
+            inputs = [p for _, p in spec.params if p.requires_grad]
+            if spec.backward and loss.requires_grad and inputs:
+                # What GradScaler.scale does: multiply by a 0-d fp32 scale tensor (never call the user's scaler).
+                scaled = loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
+                torch.autograd.grad(scaled, inputs, allow_unused=True)
+                backward_ran = True
+            del output, loss
+    finally:
+        recorder.remove()
+    if recorder.error is not None:
+        raise AmpDoctorError(
+            f"ampdoctor failed while recording ({type(recorder.error).__name__}: {recorder.error}); "
+            "please report this with the model class"
+        ) from recorder.error
+    stats = collector.read()
+    trace = _build_trace(recorder, stats, scale, detailed, batch_slots, output_slots, loss_slot, backward_ran)
+    finding = loss_zoom.finding if loss_zoom is not None else (recorder.zoom.finding if recorder.zoom else None)
+    return dataclasses.replace(trace, op_finding=finding), loss_source
+
+
+def _build_trace(
+    recorder: Recorder,
+    stats: list[TensorStats],
+    scale: float,
+    detailed: bool,
+    batch_slots: list[tuple[str, int, bool]],
+    output_slots: list[tuple[str, int, bool]],
+    loss_slot: int,
+    backward_ran: bool,
+) -> PassTrace:
+    calls = [
+        ModuleCall(
+            index=c.index,
+            module=c.module,
+            call=c.call,
+            class_name=c.class_name,
+            parent=c.parent,
+            end_order=c.end_order,
+            inputs=[TensorRecord(p, stats[s], rg, prod, s) for p, s, rg, prod in c.inputs],
+            outputs=[TensorRecord(p, stats[s], rg, None, s) for p, s, rg in c.outputs],
+        )
+        for c in recorder.calls
+    ]
+    events = [
+        GradEvent(
+            order=g.order,
+            kind=g.kind,
+            stats=stats[g.slot].scaled_down(scale),
+            call=g.call,
+            path=g.path,
+            param=g.param,
+            via_base=g.via_base,
+        )
+        for g in recorder.grads
+    ]
+    return PassTrace(
+        scale=scale,
+        detailed=detailed,
+        calls=calls,
+        grad_events=events,
+        batch=[TensorRecord(p, stats[s], rg) for p, s, rg in batch_slots],
+        output=[TensorRecord(p, stats[s], rg) for p, s, rg in output_slots],
+        loss=stats[loss_slot],
+        backward_ran=backward_ran,
+    )
+
+
+def capture_params(spec: PassSpec, modules: list[tuple[str, nn.Module]]) -> list[ModuleInfo]:
+    """Detailed statistics of every module's own parameters, read back at once (they do not change per pass)."""
+    collector = StatsCollector(spec.dtype, detailed=True)
+    canonical = {id(p): name for name, p in spec.params}
+    layout = []
+    for name, module in modules:
+        own = [(canonical.get(id(p), f"{name}.{local}"), p) for local, p in module.named_parameters(recurse=False)]
+        layout.append((name, type(module).__name__, [(pname, collector.add(p), p.requires_grad) for pname, p in own]))
+    stats = collector.read()
+    return [
+        ModuleInfo(name, class_name, [ParamRecord(pname, stats[slot], rg) for pname, slot, rg in params])
+        for name, class_name, params in layout
+    ]

@@ -1,0 +1,115 @@
+"""Fixes applied to a live model: run named modules in float32 while AMP stays on everywhere else."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .errors import AmpDoctorError
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def unwrap_model(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """The module whose ``named_modules()`` names a report uses: DDP/DataParallel and ``torch.compile`` peeled."""
+    if not isinstance(model, nn.Module):
+        raise AmpDoctorError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    notes = []
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            notes.append(f"{type(model).__name__} wrapper: its .module was diagnosed on this process alone")
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            notes.append("torch.compile'd model: diagnosed eagerly through its original module")
+            original = model._orig_mod
+            assert isinstance(original, nn.Module)
+            model = original
+        else:
+            return model, notes
+
+
+def find_module(root: nn.Module, name: str) -> nn.Module:
+    try:
+        found: nn.Module = root.get_submodule(name) if name else root
+        return found
+    except AttributeError:
+        names = [n for n, _ in root.named_modules()]
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise AmpDoctorError(f"no module named {name!r} in {type(root).__name__}{hint}") from None
+
+
+def _to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in _LOW:
+        return value.float()
+    return value
+
+
+def _device_type(args: Any, kwargs: Any, module: nn.Module) -> str:
+    for leaf in (*args, *kwargs.values()):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    param = next(module.parameters(), None)
+    return param.device.type if param is not None else "cpu"
+
+
+class Fp32Fallback:
+    """Runs the named modules with autocast disabled and their low-precision floating inputs cast to float32.
+
+    Use as a context manager, or keep the handle and call ``remove()``; either way the modules' ``forward``
+    attributes are put back exactly as they were (an instance attribute is restored, a class method is
+    uncovered again). Parameters and hooks are not touched.
+    """
+
+    def __init__(self, model: nn.Module, modules: Iterable[str]) -> None:
+        root, _ = unwrap_model(model)
+        names = [modules] if isinstance(modules, str) else list(modules)
+        targets = [(name, find_module(root, name)) for name in names]
+        self._saved: list[tuple[nn.Module, bool, Any]] = []
+        self.modules = names
+        for _, module in targets:
+            if any(module is m for m, _, _ in self._saved):
+                continue
+            had_own = "forward" in module.__dict__
+            self._saved.append((module, had_own, module.__dict__.get("forward")))
+            module.forward = self._wrap(module, module.forward)  # type: ignore[method-assign]
+
+    @staticmethod
+    def _wrap(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def fp32_forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(_device_type(args, kwargs, module), enabled=False):
+                return forward(*tree_map(_to_fp32, args), **tree_map(_to_fp32, kwargs))
+
+        fp32_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+        return fp32_forward
+
+    def remove(self) -> None:
+        for module, had_own, original in reversed(self._saved):
+            if had_own:
+                module.forward = original  # type: ignore[method-assign]
+            else:
+                module.__dict__.pop("forward", None)
+        self._saved.clear()
+
+    def __enter__(self) -> Fp32Fallback:
+        return self
+
+    def __exit__(
+        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        self.remove()
+
+
+def fp32_fallback(model: nn.Module, modules: Iterable[str]) -> Fp32Fallback:
+    """Run ``modules`` (names as in the report) in float32; returns a handle with ``.remove()``.
+
+    >>> with ampdoctor.fp32_fallback(model, ["encoder.layers.3.self_attn"]):
+    ...     train_step()
+    """
+    return Fp32Fallback(model, modules)

@@ -1,0 +1,142 @@
+"""Turn findings into recommendations (pure: no torch, no live model)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .analysis import Findings, Origin
+from .records import BATCH, LOSS, RunInfo
+from .report import Recommendation
+
+
+def fallback_snippet(modules: list[str], device_type: str) -> str:
+    names = ", ".join(repr(m) for m in modules)
+    return (
+        "import ampdoctor\n"
+        f"ampdoctor.fp32_fallback(model, [{names}])  # these run in float32; AMP stays on everywhere else\n"
+        "# without ampdoctor at training time, wrap the module's forward yourself:\n"
+        f"#   with torch.autocast({device_type!r}, enabled=False): out = module(*(t.float() for t in inputs))"
+    )
+
+
+def _fallback(origin: Origin, run: RunInfo, why: str) -> Recommendation:
+    return Recommendation(
+        action="fp32_fallback",
+        modules=[origin.module],
+        title=f"run {origin.module or '<root>'} ({origin.class_name}) in float32: {why}",
+        snippet=fallback_snippet([origin.module], run.device_type),
+    )
+
+
+def _bf16(run: RunInfo) -> Optional[Recommendation]:
+    if run.limits.dtype != "float16":
+        return None
+    return Recommendation(
+        action="bf16",
+        modules=[],
+        title="or autocast to bfloat16 where the device supports it (same range as float32, no scaler needed)",
+        snippet=f"with torch.autocast({run.device_type!r}, dtype=torch.bfloat16):\n"
+        "    loss = criterion(model(inputs), targets)",
+    )
+
+
+def recommend(findings: Findings, run: RunInfo) -> list[Recommendation]:
+    """The remedies that apply to the findings, most direct first."""
+    recs: list[Recommendation] = []
+    fwd, bwd = findings.forward_origin, findings.backward_origin
+    if fwd is not None and fwd.module == BATCH:
+        recs.append(
+            Recommendation(
+                action="fix_batch",
+                modules=[],
+                title=f"the batch itself holds non-finite values ({fwd.tensor}): fix the data, not the model",
+                snippet="assert all(torch.isfinite(t).all() for t in batch_tensors), 'bad batch'",
+            )
+        )
+        return recs
+    if fwd is not None and fwd.module == LOSS:
+        recs.append(
+            Recommendation(
+                action="fix_loss",
+                modules=[],
+                title="the loss function made the non-finite value from a finite model output: compute it in "
+                "float32 and keep log/div arguments away from zero",
+                snippet="with torch.autocast(device_type, enabled=False):\n"
+                "    loss = criterion(output.float(), targets)\n"
+                "# e.g. torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) instead of torch.log(p)",
+            )
+        )
+        return recs
+    if fwd is not None:
+        recs.append(_fallback(fwd, run, f"its own code made {fwd.tensor} non-finite from finite inputs"))
+        bf16 = _bf16(run)
+        if bf16 is not None and findings.verdict == "overflow":
+            recs.append(bf16)
+        return recs
+    scale = findings.scale
+    if scale is not None and scale.largest_finite_scale is not None:
+        safe = scale.largest_finite_scale
+        harmless = scale.harmless
+        recs.append(
+            Recommendation(
+                action="loss_scale",
+                modules=[],
+                title=(
+                    f"gradients overflow at scale {scale.used_scale:g} but are finite at {safe:g}: "
+                    + ("GradScaler's skip-and-back-off handles this; optionally start lower"
+                       if harmless else "GradScaler would have to back off to a scale that loses gradients")
+                ),
+                snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={safe:g})",
+            )
+        )
+        if not harmless and bwd is not None and bwd.module != LOSS:
+            recs.append(_fallback(bwd, run, "its backward makes the gradient non-finite"))
+            bf16 = _bf16(run)
+            if bf16 is not None:
+                recs.append(bf16)
+        return recs
+    if bwd is not None:
+        if bwd.module == LOSS:
+            recs.append(
+                Recommendation(
+                    action="loss_scale",
+                    modules=[],
+                    title="the gradient reaching the model is already non-finite: the loss or its scale is too large",
+                    snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale=2.0**10)",
+                )
+            )
+        else:
+            recs.append(_fallback(bwd, run, "its backward makes the gradient non-finite even at scale 1"))
+        bf16 = _bf16(run)
+        if bf16 is not None:
+            recs.append(bf16)
+        return recs
+    under = findings.underflow
+    if findings.verdict == "underflow" and under is not None:
+        bigger = run.scale * 2.0**8
+        recs.append(
+            Recommendation(
+                action="loss_scale",
+                modules=[s.module for s in under.spots[:5]],
+                title=f"{under.share:.1%} of gradient values underflow to zero at scale {run.scale:g}: "
+                f"raise the loss scale ({under.reference})",
+                snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={bigger:g})",
+            )
+        )
+        bf16 = _bf16(run)
+        if bf16 is not None:
+            recs.append(bf16)
+    for near in findings.near_limit:
+        if near.tensor.startswith("out") and math.isfinite(near.headroom_bits):
+            recs.append(
+                Recommendation(
+                    action="fp32_fallback",
+                    modules=[near.module],
+                    title=f"{near.label} is {near.headroom_bits:.2f} bit from the {run.limits.dtype} max: "
+                    "consider running it in float32 before it overflows",
+                    snippet=fallback_snippet([near.module], run.device_type),
+                )
+            )
+            break
+    return recs

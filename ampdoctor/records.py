@@ -1,0 +1,316 @@
+"""Typed, frozen records of one instrumented AMP step.
+
+Nothing here imports torch: a saved report can be re-analysed and re-rendered without it.
+Gradient statistics are stored *unscaled* (divided by the loss scale of their pass); counts are unaffected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar, Union
+
+# A name for things outside any module: the loss function and the batch.
+LOSS = "<loss>"
+BATCH = "<batch>"
+
+
+@dataclass(frozen=True)
+class FormatLimits:
+    """Limits of the low-precision format under diagnosis (from ``torch.finfo``), with exact rounding edges."""
+
+    dtype: str
+    max: float  # largest finite value (65504 for float16)
+    tiny: float  # smallest normal (2**-14 for float16)
+    smallest_subnormal: float  # 2**-24 for float16
+    overflow_threshold: float  # |x| >= this rounds to inf when cast (65520 for float16)
+    flush_threshold: float  # 0 < |x| <= this rounds to zero when cast (2**-25 for float16)
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics of one tensor.
+
+    ``min``/``max`` are taken over all values, so they are NaN or infinite when the tensor is. Fields that are
+    ``None`` were not measured at this level of detail (the survey pass measures only min, max and zeros).
+    ``finite_min``/``finite_max``/``min_abs_nonzero`` ignore non-finite values. ``subnormal_count`` counts
+    nonzero finite values below the smallest normal of the diagnosed format; ``cast_*`` count what casting to
+    that format would do (0 for tensors already in it).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    min: Optional[float] = None
+    max: Optional[float] = None
+    zero_count: Optional[int] = None
+    nan_count: Optional[int] = None
+    posinf_count: Optional[int] = None
+    neginf_count: Optional[int] = None
+    finite_min: Optional[float] = None
+    finite_max: Optional[float] = None
+    min_abs_nonzero: Optional[float] = None
+    subnormal_count: Optional[int] = None
+    cast_overflow_count: Optional[int] = None
+    cast_flush_count: Optional[int] = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def measured(self) -> bool:
+        """False for non-floating or empty tensors, whose values are not examined."""
+        return self.min is not None
+
+    @property
+    def detailed(self) -> bool:
+        return self.nan_count is not None
+
+    @property
+    def has_nan(self) -> bool:
+        if self.nan_count is not None:
+            return self.nan_count > 0
+        return self.min is not None and (math.isnan(self.min) or math.isnan(self.max or 0.0))
+
+    @property
+    def has_posinf(self) -> bool:
+        if self.posinf_count is not None:
+            return self.posinf_count > 0
+        return self.max == math.inf
+
+    @property
+    def has_neginf(self) -> bool:
+        if self.neginf_count is not None:
+            return self.neginf_count > 0
+        return self.min == -math.inf
+
+    @property
+    def is_finite(self) -> bool:
+        return not (self.has_nan or self.has_posinf or self.has_neginf)
+
+    @property
+    def only_neginf(self) -> bool:
+        """Non-finite, and every non-finite value is ``-inf`` (the signature of an additive mask)."""
+        return self.has_neginf and not self.has_nan and not self.has_posinf
+
+    @property
+    def nonfinite_count(self) -> Optional[int]:
+        if self.nan_count is None or self.posinf_count is None or self.neginf_count is None:
+            return None
+        return self.nan_count + self.posinf_count + self.neginf_count
+
+    @property
+    def abs_max(self) -> Optional[float]:
+        """Largest finite magnitude, or None when unknown (not measured, or non-finite at survey level)."""
+        if self.finite_min is not None and self.finite_max is not None:
+            return max(abs(self.finite_min), abs(self.finite_max))
+        if self.min is None or self.max is None or not self.is_finite:
+            return None
+        return max(abs(self.min), abs(self.max))
+
+    @property
+    def nonzero_count(self) -> Optional[int]:
+        return None if self.zero_count is None else self.numel - self.zero_count
+
+    def scaled_down(self, scale: float) -> TensorStats:
+        """The same statistics divided by a loss scale (exact for powers of two)."""
+        if scale == 1.0:
+            return self
+
+        def div(v: Optional[float]) -> Optional[float]:
+            return None if v is None else v / scale
+
+        return dataclasses.replace(
+            self,
+            min=div(self.min),
+            max=div(self.max),
+            finite_min=div(self.finite_min),
+            finite_max=div(self.finite_max),
+            min_abs_nonzero=div(self.min_abs_nonzero),
+        )
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor seen at a module boundary: where it sits (``path``) and its statistics."""
+
+    path: str  # "args[0]", "kwargs['mask']", "out", "out[0]", "out['logits']", "out.hidden"
+    stats: TensorStats
+    requires_grad: bool = False
+    producer: Optional[int] = None  # index of the earlier call that returned this very tensor
+    ref: int = -1  # same ref within a pass: the same tensor object at the same version
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    name: str  # fully qualified, as in named_parameters()
+    stats: TensorStats
+    requires_grad: bool = True
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    name: str  # "" is the root
+    class_name: str
+    params: list[ParamRecord] = field(default_factory=list)  # the module's own parameters (recurse=False)
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    index: int  # order of start
+    module: str
+    call: int  # 0, 1, ... for a module called several times
+    class_name: str
+    parent: Optional[int]
+    end_order: int  # order of completion
+    inputs: list[TensorRecord] = field(default_factory=list)
+    outputs: list[TensorRecord] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return call_label(self.module, self.call)
+
+
+def call_label(module: str, call: int) -> str:
+    name = module if module else "<root>"
+    return f"{name}#{call}" if call else name
+
+
+@dataclass(frozen=True)
+class GradEvent:
+    """A gradient seen during backward, in execution order.
+
+    ``kind``: "output" (gradient w.r.t. a call's output), "input" (w.r.t. a call's input) or "param".
+    """
+
+    order: int
+    kind: str
+    stats: TensorStats  # unscaled
+    call: Optional[int] = None
+    path: str = ""
+    param: Optional[str] = None
+    via_base: bool = False  # captured on the view's base tensor (see capture)
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    file: str
+    line: int
+    function: str
+    code: str
+
+
+@dataclass(frozen=True)
+class OpFinding:
+    """The first operation inside an origin whose output was non-finite while its inputs were not."""
+
+    op: str  # "aten::bmm"
+    module: str
+    call: int
+    input_dtypes: list[str]
+    input_abs_max: list[Optional[float]]
+    output_dtype: str
+    output_nan_count: int
+    output_posinf_count: int
+    output_neginf_count: int
+    location: Optional[SourceLocation] = None
+
+
+@dataclass(frozen=True)
+class PassTrace:
+    """Everything recorded in one forward (+ backward) pass."""
+
+    scale: float
+    detailed: bool
+    calls: list[ModuleCall]
+    grad_events: list[GradEvent]
+    batch: list[TensorRecord]
+    output: list[TensorRecord]
+    loss: Optional[TensorStats]
+    backward_ran: bool
+    op_finding: Optional[OpFinding] = None
+
+    def param_grads(self) -> dict[str, TensorStats]:
+        return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
+
+    def gradients_finite(self) -> bool:
+        return all(e.stats.is_finite for e in self.grad_events)
+
+    def forward_finite(self) -> bool:
+        return self.loss is not None and self.loss.is_finite and all(
+            r.stats.is_finite for r in self.output
+        )
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Facts of the run that a reader needs to trust (or distrust) the findings."""
+
+    torch_version: str
+    ampdoctor_version: str
+    device: str
+    device_type: str
+    limits: FormatLimits
+    scale: float
+    scale_source: str
+    loss_source: str
+    model_class: str
+    autocast_note: str
+    notes: list[str] = field(default_factory=list)
+
+
+T = TypeVar("T")
+
+# -- JSON-friendly conversion ------------------------------------------------------------------------------
+
+
+def _encode_float(v: float) -> Union[float, str]:
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return v
+
+
+def to_plain(obj: Any) -> Any:
+    """Dataclasses → dicts, tuples → lists, non-finite floats → strings (strict JSON has none)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, float):
+        return _encode_float(obj)
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def from_plain(tp: Any, data: Any) -> Any:
+    """Rebuild a value of type ``tp`` from :func:`to_plain` output, guided by the type hints."""
+    origin = typing.get_origin(tp)
+    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if data is None:
+            return None
+        return from_plain(args[0], data)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        hints = typing.get_type_hints(tp)
+        kwargs = {f.name: from_plain(hints[f.name], data[f.name]) for f in dataclasses.fields(tp) if f.name in data}
+        return tp(**kwargs)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return [from_plain(item, v) for v in data]
+    if origin is tuple:
+        items = typing.get_args(tp)
+        if len(items) == 2 and items[1] is Ellipsis:
+            return tuple(from_plain(items[0], v) for v in data)
+        return tuple(from_plain(a, v) for a, v in zip(items, data))
+    if origin is dict:
+        _, value_tp = typing.get_args(tp)
+        return {k: from_plain(value_tp, v) for k, v in data.items()}
+    if tp is float:
+        return float(data)  # float("nan") / float("inf") decode the strings
+    return data

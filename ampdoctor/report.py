@@ -1,0 +1,113 @@
+"""The Report: records + findings + recommendations + run facts, with a JSON round trip. No torch here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .analysis import Findings, Origin
+from .errors import AmpDoctorError
+from .records import ModuleInfo, PassTrace, RunInfo, from_plain, to_plain
+
+# Major.minor: readers refuse a newer major version; a newer minor only adds fields.
+SCHEMA_VERSION = "1.0"
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One thing to change. ``modules`` names module calls' modules as in the report (``""`` is the root)."""
+
+    action: str  # "fp32_fallback", "loss_scale", "bf16", "fix_batch", "fix_loss"
+    modules: list[str]
+    title: str
+    snippet: str
+    verified: bool = False
+    evidence: str = ""
+    cost: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Report:
+    """What ``diagnose`` found. ``print(report)`` shows it; ``report.to_json()`` saves it."""
+
+    run: RunInfo
+    modules: list[ModuleInfo]
+    trace: PassTrace
+    findings: Findings
+    recommendations: list[Recommendation] = field(default_factory=list)
+    schema_version: str = SCHEMA_VERSION
+
+    # -- the stable surface ---------------------------------------------------------------------------------
+    @property
+    def verdict(self) -> str:
+        """One of ``healthy``, ``overflow``, ``nan``, ``underflow``, ``scale_overflow``."""
+        return self.findings.verdict
+
+    @property
+    def forward_origin(self) -> Optional[Origin]:
+        return self.findings.forward_origin
+
+    @property
+    def backward_origin(self) -> Optional[Origin]:
+        return self.findings.backward_origin
+
+    @property
+    def exit_code(self) -> int:
+        """CLI convention: 0 healthy or warnings only (harmless scale overflow, thin headroom), 1 a finding."""
+        if self.verdict == "healthy":
+            return 0
+        if self.verdict == "scale_overflow" and self.findings.scale is not None and self.findings.scale.harmless:
+            return 0
+        return 1
+
+    # -- serialisation --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = to_plain(self)
+        return data
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        version = str(data.get("schema_version", ""))
+        try:
+            major = int(version.split(".")[0])
+        except ValueError:
+            raise AmpDoctorError(f"not an ampdoctor report: schema_version {version!r}") from None
+        ours = int(SCHEMA_VERSION.split(".")[0])
+        if major > ours:
+            raise AmpDoctorError(
+                f"report schema_version {version} is newer than this ampdoctor reads ({SCHEMA_VERSION}); "
+                "upgrade ampdoctor (pip install -U ampdoctor)"
+            )
+        try:
+            report: Report = from_plain(cls, data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AmpDoctorError(f"malformed ampdoctor report: {exc}") from exc
+        return report
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise AmpDoctorError(f"not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise AmpDoctorError("not an ampdoctor report: expected a JSON object")
+        return cls.from_dict(data)
+
+    # -- rendering ------------------------------------------------------------------------------------------
+    def to_text(self, max_rows: int = 20) -> str:
+        from .render_text import render_text
+
+        return render_text(self, max_rows=max_rows)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def __repr__(self) -> str:
+        origin = self.forward_origin or self.backward_origin
+        where = f", origin={origin.label!r}" if origin else ""
+        return f"<ampdoctor.Report verdict={self.verdict!r}{where}, calls={len(self.trace.calls)}>"

@@ -1,0 +1,16 @@
+"""Named thresholds shared by analysis, recommendations and rendering (ARCHITECTURE.md §2)."""
+
+# Less than this many bits between a tensor's largest magnitude and the format's max is a warning.
+HEADROOM_WARN_BITS = 1.0
+# Headroom under this is "close" in renderings (colour bands), but no finding on its own.
+HEADROOM_TIGHT_BITS = 4.0
+# Verdict "underflow": at least this share of the reference's nonzero gradient values became zero.
+UNDERFLOW_VERDICT_SHARE = 0.05
+# Loss-scale window: a scale is "useless" when it loses at least this share of gradient values to zero.
+SCALE_WINDOW_LOSS_SHARE = 0.01
+# A reference backward for underflow needs at least this many more bits of scale than the run used.
+MIN_REFERENCE_EXTRA_BITS = 4
+# ... and need not go beyond this many (fp16's whole subnormal-to-max span is 40 bits).
+MAX_REFERENCE_EXTRA_BITS = 24
+# The default scale of torch.amp.GradScaler.
+DEFAULT_FP16_SCALE = 2.0**16
