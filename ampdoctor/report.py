@@ -107,6 +107,25 @@ class Report:
     def __str__(self) -> str:
         return self.to_text()
 
+    def _repr_html_(self) -> str:
+        """Rich display in Jupyter (escaped, no JavaScript, with a ``<pre>`` text fallback)."""
+        from .render_html import render_html
+
+        return render_html(self)
+
+    def to_dataframe(self) -> Any:
+        """One row per module call and tensor (pandas needed: ``pip install ampdoctor[notebook]``)."""
+        from .frames import to_dataframe
+
+        return to_dataframe(self)
+
+    def plot(self, path: Optional[str] = None) -> Any:
+        """Each call's range against the format's band; returns the figure, saves a PNG when ``path`` is given
+        (matplotlib needed: ``pip install ampdoctor[notebook]``)."""
+        from .plot import plot_report
+
+        return plot_report(self, path)
+
     def __repr__(self) -> str:
         origin = self.forward_origin or self.backward_origin
         where = f", origin={origin.label!r}" if origin else ""
