@@ -107,6 +107,9 @@ class ScaleFinding:
     probes: list[ScaleProbe]
     largest_finite_scale: Optional[float]  # None: non-finite even at scale 1
     lost_share_at_largest: Optional[float]  # share of gradient values lost to zero at that scale
+    # The lowest scale seen non-finite: the backward origin is placed there, where the first gradient to
+    # overflow is alone (at the used scale, the loss gradient itself may already be inf in float16).
+    analysed_scale: Optional[float] = None
 
     @property
     def harmless(self) -> bool:

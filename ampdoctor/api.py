@@ -81,6 +81,7 @@ def diagnose(
     scaler: Any = None,
     backward: bool = True,
     scale: Optional[float] = None,
+    fp32_reference: bool = True,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -95,6 +96,9 @@ def diagnose(
             read. Without it, float16 uses GradScaler's default 2**16 and bfloat16 is unscaled.
         backward: also run and analyse the scaled backward.
         scale: an explicit loss scale (overrides ``scaler``).
+        fp32_reference: to count gradient values lost to underflow, ampdoctor re-runs the backward at a much
+            larger scale when the gradients leave room for one; when they do not (the usual case at GradScaler's
+            2**16), it re-runs the step once with autocast off. Set False when float32 does not fit in memory.
 
     Nothing the user owns changes: parameters, buffers, ``.grad`` fields, ``training`` flags, RNG states and
     the scaler are as before, and no hook stays behind. Each pass reads statistics back from the device once.
@@ -125,9 +129,11 @@ def diagnose(
     try:
         modules = capture_params(spec, named)
 
-        def run(at_scale: float, detailed: bool = False, zoom: Optional[tuple[str, int]] = None) -> PassTrace:
+        def run(
+            at_scale: float, detailed: bool = False, zoom: Optional[tuple[str, int]] = None, autocast: bool = True
+        ) -> PassTrace:
             guard.rewind()  # the same RNG draws and buffers for every pass: re-runs are identical
-            trace, source = run_pass(spec, at_scale, detailed, zoom)
+            trace, source = run_pass(spec, at_scale, detailed, zoom, autocast)
             loss_sources.append(source)
             return trace
 
@@ -138,9 +144,9 @@ def diagnose(
         underflow: Optional[UnderflowFinding] = None
         if origin is None and survey.backward_ran:
             if not survey.gradients_finite():
-                scale_finding = _probe_scales(run, survey, modules)
+                scale_finding = _probe_scales(run, survey, modules, fp32_reference)
             else:
-                underflow = _underflow_reference(run, survey, modules, limits)
+                underflow = _underflow_reference(run, survey, modules, limits, fp32_reference)
         needs_detail = (
             origin is not None
             or scale_finding is not None
@@ -152,7 +158,10 @@ def diagnose(
             zoom = None
             if origin is not None and origin.module != BATCH:
                 zoom = (LOSS, 0) if origin.module == LOSS else (origin.module, origin.call)
-            final = run(used_scale, detailed=True, zoom=zoom)
+            at_scale = used_scale
+            if scale_finding is not None and scale_finding.analysed_scale is not None:
+                at_scale = scale_finding.analysed_scale
+            final = run(at_scale, detailed=True, zoom=zoom)
     finally:
         guard.rewind()
     if loss_sources[0] == "surrogate":
@@ -177,7 +186,13 @@ def diagnose(
     return Report(run_info, modules, final, findings, recommend(findings, run_info))
 
 
-def _probe_scales(run: Any, survey: PassTrace, modules: Any) -> ScaleFinding:
+def _fp32_pass(run: Any, scale: float) -> Optional[PassTrace]:
+    """The same step with autocast off: the ground truth of which gradient values are nonzero."""
+    trace: PassTrace = run(scale, autocast=False)
+    return trace if trace.gradients_finite() else None
+
+
+def _probe_scales(run: Any, survey: PassTrace, modules: Any, fp32_reference: bool) -> ScaleFinding:
     """Binary search for the largest power-of-two scale >= 1 below the used one with finite gradients.
 
     Assumes finiteness is monotone in the scale, which holds when overflow is what made gradients non-finite.
@@ -194,8 +209,10 @@ def _probe_scales(run: Any, survey: PassTrace, modules: Any) -> ScaleFinding:
         return ok
 
     top = math.ceil(math.log2(used)) if used > 1 else 0  # 2**top >= used: known (or assumed) non-finite
-    if used <= 1 or not finite_at(0):
-        return ScaleFinding(used, probes, None, None)
+    if used <= 1:
+        return ScaleFinding(used, probes, None, None, used)
+    if not finite_at(0):
+        return ScaleFinding(used, probes, None, None, 1.0)
     low, high = 0, top
     while high - low > 1:
         mid = (low + high) // 2
@@ -205,16 +222,28 @@ def _probe_scales(run: Any, survey: PassTrace, modules: Any) -> ScaleFinding:
             high = mid
     best = traces[low]
     others = [t for e, t in traces.items() if e != low] + [survey]
-    lost = lost_gradients(best, others, modules, "best of the re-runs at other scales")
-    return ScaleFinding(used, sorted(probes, key=lambda p: p.scale), 2.0**low, lost.share if lost else None)
+    reference = "the re-runs at other scales"
+    fp32 = _fp32_pass(run, 2.0**low) if fp32_reference else None
+    if fp32 is not None:
+        others.append(fp32)
+        reference = "a float32 backward (autocast off) and " + reference
+    lost = lost_gradients(best, others, modules, reference)
+    lowest_bad = 2.0**high if high < top else used
+    return ScaleFinding(used, sorted(probes, key=lambda p: p.scale), 2.0**low, lost.share if lost else None, lowest_bad)
 
 
-def _underflow_reference(run: Any, survey: PassTrace, modules: Any, limits: Any) -> Optional[UnderflowFinding]:
-    """Re-run the backward at a much larger scale that the survey's gradient maxima say stays finite."""
+def _underflow_reference(
+    run: Any, survey: PassTrace, modules: Any, limits: Any, fp32_reference: bool
+) -> Optional[UnderflowFinding]:
+    """A reference backward: at a much larger scale when the survey's gradient maxima leave room, else float32."""
     extra = reference_extra_bits(survey, limits, MAX_REFERENCE_EXTRA_BITS)
     while extra >= MIN_REFERENCE_EXTRA_BITS:
         reference = run(survey.scale * 2.0**extra)
         if reference.gradients_finite():
             return lost_gradients(survey, [reference], modules, f"backward at scale {survey.scale * 2.0**extra:g}")
         extra //= 2
+    if fp32_reference:
+        fp32 = _fp32_pass(run, survey.scale)
+        if fp32 is not None:
+            return lost_gradients(survey, [fp32], modules, "float32 backward (autocast off)")
     return None

@@ -422,8 +422,11 @@ def run_pass(
     scale: float,
     detailed: bool,
     zoom: Optional[tuple[str, int]] = None,
+    autocast: bool = True,
 ) -> tuple[PassTrace, str]:
     """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
+
+    ``autocast=False`` runs the same step in float32: the reference for counting underflowed gradients.
 
     The caller rewinds RNG and buffers before each pass. Gradients are taken with ``torch.autograd.grad`` so no
     ``.grad`` field is touched.
@@ -437,7 +440,7 @@ def run_pass(
     recorder.install(spec.params)
     try:
         with torch.enable_grad():
-            with torch.autocast(spec.device_type, dtype=spec.dtype):
+            with torch.autocast(spec.device_type, dtype=spec.dtype, enabled=autocast):
                 try:
                     output = call_model(spec.root, spec.batch)
                 except Exception as exc:

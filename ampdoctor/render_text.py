@@ -49,8 +49,8 @@ def describe_op(op: OpFinding) -> str:
     return text
 
 
-def describe_origin(origin: Origin) -> list[str]:
-    title = "Forward origin" if origin.direction == "forward" else "Backward origin"
+def describe_origin(origin: Origin, origin_scale: float = 1.0) -> list[str]:
+    title = "Forward origin" if origin.direction == "forward" else f"Backward origin (at scale {origin_scale:g})"
     if origin.module == BATCH:
         return [f"{title}: the batch itself ({origin.tensor} {describe_bad(origin.bad)}); nothing in the model ran yet"]
     if origin.module == LOSS:
@@ -91,7 +91,7 @@ def render_text(report: Report, max_rows: int = 20) -> str:
     ]
     for origin_ in (f.forward_origin, f.backward_origin):
         if origin_ is not None:
-            lines += ["", *describe_origin(origin_)]
+            lines += ["", *describe_origin(origin_, report.trace.scale)]
     if f.propagation:
         shown = ", ".join(f.propagation[:8]) + (" ..." if len(f.propagation) > 8 else "")
         lines += _section(f"Propagation: {len(f.propagation)} later call(s) carry the bad values", ["  " + shown])

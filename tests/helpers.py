@@ -1,0 +1,88 @@
+"""Checks shared by the tests: nothing the user owns may change, no hook may stay behind."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    """Raw bytes: torch.equal is False for NaN, so compare the storage itself."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@dataclass
+class Snapshot:
+    state: dict[str, bytes]
+    grads: dict[str, Any]
+    training: dict[str, bool]
+    cpu_rng: bytes
+    py_rng: Any
+    np_rng: bytes
+    hook_counts: dict[str, tuple[int, ...]]
+
+
+def _hook_counts(module: nn.Module) -> tuple[int, ...]:
+    return (
+        len(module._forward_hooks),
+        len(module._forward_pre_hooks),
+        len(module._backward_hooks),
+        len(getattr(module, "_backward_pre_hooks", {})),
+    )
+
+
+def snapshot(model: nn.Module) -> Snapshot:
+    return Snapshot(
+        state={k: _bits(v) for k, v in model.state_dict(keep_vars=True).items()},
+        grads={n: None if p.grad is None else _bits(p.grad) for n, p in model.named_parameters()},
+        training={n: m.training for n, m in model.named_modules()},
+        cpu_rng=_bits(torch.get_rng_state()),
+        py_rng=random.getstate(),
+        np_rng=np.random.get_state()[1].tobytes(),
+        hook_counts={n: _hook_counts(m) for n, m in model.named_modules()},
+    )
+
+
+def assert_untouched(model: nn.Module, before: Snapshot) -> None:
+    after = snapshot(model)
+    assert after.state == before.state, "parameters or buffers changed"
+    assert after.grads == before.grads, ".grad fields changed"
+    assert after.training == before.training, "training flags changed"
+    assert after.cpu_rng == before.cpu_rng, "torch RNG state changed"
+    assert after.py_rng == before.py_rng, "python RNG state changed"
+    assert after.np_rng == before.np_rng, "numpy RNG state changed"
+    assert after.hook_counts == before.hook_counts, "module hooks left behind"
+    for name, p in model.named_parameters():
+        assert not p._backward_hooks, f"tensor hook left on parameter {name}"
+
+
+def ampdoctor_frames_during(fn: Callable[[], Any]) -> list[str]:
+    """Names of ampdoctor functions that ran while ``fn`` ran (module hooks, tensor hooks, global hooks)."""
+    seen: list[str] = []
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "/ampdoctor/" in frame.f_code.co_filename:
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(profiler)
+    threading.setprofile(profiler)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    return seen
+
+
+def plain_amp_step(model: nn.Module, batch: torch.Tensor, dtype: torch.dtype = torch.float16) -> None:
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(batch)
+    out.float().sum().backward()
+    model.zero_grad(set_to_none=True)
