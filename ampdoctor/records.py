@@ -246,6 +246,21 @@ class PassTrace:
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step seen by ``ampdoctor.watch`` (gradient statistics unscaled, like everywhere else)."""
+
+    step: int
+    scale: float  # the scale used for this step's backward
+    skipped: bool  # GradScaler found inf/NaN and skipped the optimizer step
+    loss: Optional[float] = None
+    rank: int = 0
+    forward_finite: bool = True
+    forward_origin: Optional[str] = None  # label of the forward origin call, when the step was captured
+    backward_origin: Optional[str] = None
+    nonfinite_params: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class RunInfo:
     """Facts of the run that a reader needs to trust (or distrust) the findings."""
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from .analysis import Findings, Origin
 from .errors import AmpDoctorError
-from .records import ModuleInfo, PassTrace, RunInfo, from_plain, to_plain
+from .records import ModuleInfo, PassTrace, RunInfo, StepRecord, from_plain, to_plain
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
 SCHEMA_VERSION = "1.0"
@@ -36,6 +36,7 @@ class Report:
     trace: PassTrace
     findings: Findings
     recommendations: list[Recommendation] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)  # filled by ampdoctor.watch; empty for diagnose
     schema_version: str = SCHEMA_VERSION
 
     # -- the stable surface ---------------------------------------------------------------------------------
