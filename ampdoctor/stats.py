@@ -123,6 +123,13 @@ class StatsCollector:
         nonzero_magnitude = torch.where(magnitude > 0, magnitude, inf)
         if x.dtype == self.low_dtype:
             cast_overflow = cast_flush = torch.zeros((), dtype=torch.int64, device=x.device)
+        elif x.dtype == torch.float64:
+            # torch casts float64 to float16/bfloat16 through float32, rounding twice: 65519.999999 would become
+            # inf and 2**-25 * (1 + 2**-40) zero. Count with the exact single-rounding edges instead; they are
+            # exact in float64. ``magnitude`` is already 0 for non-finite values.
+            limits = format_limits(self.low_dtype)
+            cast_overflow = (magnitude >= limits.overflow_threshold).sum()
+            cast_flush = ((magnitude > 0) & (magnitude <= limits.flush_threshold)).sum()
         else:
             cast = x.to(self.low_dtype)
             cast_overflow = (torch.isinf(cast) & finite).sum()
