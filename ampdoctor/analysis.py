@@ -149,9 +149,37 @@ def _bad(stats: TensorStats) -> bool:
     return stats.measured and not stats.is_finite
 
 
+# Largest finite value of each floating dtype, by the name records store (analysis imports no torch).
+_DTYPE_MAX = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+}
+
+
 def is_mask(record: TensorRecord) -> bool:
     """An input whose only non-finite values are ``-inf`` and that no earlier call of the pass produced."""
     return record.stats.measured and record.stats.only_neginf and record.producer is None
+
+
+def is_fill_mask(record: TensorRecord) -> bool:
+    """A mask by value: ``-inf`` only, or filled with ``finfo.min`` (Hugging Face) and nothing positive.
+
+    Its huge magnitude is a constant, not data: it says nothing about how close the inputs are to overflow.
+    """
+    if is_mask(record):
+        return True
+    stats = record.stats
+    dtype_max = _DTYPE_MAX.get(stats.dtype)
+    return (
+        record.producer is None
+        and dtype_max is not None
+        and stats.min is not None
+        and stats.max is not None
+        and stats.min == -dtype_max
+        and stats.max <= 0
+    )
 
 
 def _inputs_finite(call: ModuleCall) -> bool:
@@ -163,7 +191,7 @@ def _first_bad(records: Iterable[TensorRecord]) -> Optional[TensorRecord]:
 
 
 def _max_abs(records: Iterable[TensorRecord]) -> Optional[float]:
-    values = [r.stats.abs_max for r in records if r.stats.abs_max is not None]
+    values = [r.stats.abs_max for r in records if r.stats.abs_max is not None and not is_fill_mask(r)]
     return max(values) if values else None
 
 
