@@ -345,7 +345,7 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
     for root in roots:
         bad = [e for e in out_events.get(root.index, []) if _bad(e.stats)]
         if bad:  # the very first gradient reaching the model is already non-finite
-            return Origin("backward", LOSS, 0, "loss", bad[0].path, bad[0].stats, None)
+            return Origin("backward", LOSS, 0, "loss", bad[0].path, bad[0].stats, None, trace.backward_op_finding)
     params = _attribute_params(trace, _param_owners(modules))
     attributable = _attributable_inputs(trace)
     children = _children(trace.calls)
@@ -367,7 +367,7 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
         c, e = by_index[index], first_bad[index]
         incoming = max((x.stats.abs_max or 0.0 for x in out_events[index]), default=None)
         where = f"grad:{e.param}" if e.kind == "param" else f"grad:{e.path}"
-        return Origin("backward", c.module, c.call, c.class_name, where, e.stats, incoming)
+        return Origin("backward", c.module, c.call, c.class_name, where, e.stats, incoming, trace.backward_op_finding)
     first = next(e for e in events if _bad(e.stats))
     owner = _param_owners(modules).get(first.param or "", "")
     found = by_index.get(first.call) if first.call is not None else None

@@ -130,10 +130,14 @@ def diagnose(
         modules = capture_params(spec, named)
 
         def run(
-            at_scale: float, detailed: bool = False, zoom: Optional[tuple[str, int]] = None, autocast: bool = True
+            at_scale: float,
+            detailed: bool = False,
+            zoom: Optional[tuple[str, int]] = None,
+            autocast: bool = True,
+            backward_zoom: bool = False,
         ) -> PassTrace:
             guard.rewind()  # the same RNG draws and buffers for every pass: re-runs are identical
-            trace, source = run_pass(spec, at_scale, detailed, zoom, autocast)
+            trace, source = run_pass(spec, at_scale, detailed, zoom, autocast, backward_zoom)
             loss_sources.append(source)
             return trace
 
@@ -161,7 +165,7 @@ def diagnose(
             at_scale = used_scale
             if scale_finding is not None and scale_finding.analysed_scale is not None:
                 at_scale = scale_finding.analysed_scale
-            final = run(at_scale, detailed=True, zoom=zoom)
+            final = run(at_scale, detailed=True, zoom=zoom, backward_zoom=scale_finding is not None)
     finally:
         guard.rewind()
     if loss_sources[0] == "surrogate":

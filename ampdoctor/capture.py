@@ -6,12 +6,15 @@ raise (they record the failure, and the pass raises after it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import os
 import random
+import re
 import traceback
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +39,7 @@ from .records import (
     TensorRecord,
     TensorStats,
 )
-from .stats import StatsCollector, dtype_name
+from .stats import StatsCollector, dtype_name, measuring
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -121,12 +124,16 @@ class StateGuard:
 # -- op-level zoom -----------------------------------------------------------------------------------------
 
 
+def _is_internal(filename: str) -> bool:
+    own = filename.startswith(_OWN_DIR) and filename not in _OWN_MODEL_FILES
+    return own or filename.startswith(_TORCH_DIR) or filename.startswith("<")
+
+
 def user_location() -> Optional[SourceLocation]:
     """The innermost stack frame outside torch and ampdoctor: the line of the user's (or library's) model code."""
     for frame in reversed(traceback.extract_stack()):
         filename = frame.filename
-        internal = filename.startswith(_OWN_DIR) and filename not in _OWN_MODEL_FILES
-        if internal or filename.startswith(_TORCH_DIR) or filename.startswith("<"):
+        if _is_internal(filename):
             continue
         return SourceLocation(filename, frame.lineno or 0, frame.name, (frame.line or "").strip())
     return None
@@ -136,13 +143,18 @@ def _value_flags(t: torch.Tensor) -> tuple[int, int, int]:
     return int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()), int(torch.isneginf(t).sum())
 
 
-class OpZoom(TorchDispatchMode):
-    """Finds the first aten op whose output is non-finite while its inputs had no NaN or +inf.
+def _floats(values: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
-    Active only inside the origin call of a deterministic re-run; it synchronises per op, which is fine there.
-    An op that merely fills a ``-inf`` constant (``masked_fill(-inf)``) or passes a ``-inf`` mask on creates
-    nothing.
+
+class _Zoom(TorchDispatchMode):
+    """Watches every aten op and keeps the first one that *created* a non-finite value.
+
+    Active only on a deterministic re-run; it synchronises per op, which is fine there. Subclasses decide what
+    counts as creation and where the op's source line is. ampdoctor's own statistics ops are ignored.
     """
+
+    direction = "forward"
 
     def __init__(self, module: str, call: int) -> None:
         super().__init__()
@@ -152,35 +164,28 @@ class OpZoom(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if self.finding is None:
+        if self.finding is None and not measuring():
             try:
                 self._inspect(func, args, kwargs or {}, out)
-            except Exception:  # the zoom is best effort; never break the user's forward
+            except Exception:  # the zoom is best effort; never break the user's step
                 pass
         return out
 
     def _inspect(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not outputs:
-            return
+        outputs = _floats(out)
         out_flags = [_value_flags(t) for t in outputs]
         if not any(sum(f) for f in out_flags):
             return
         leaves = tree_flatten((args, kwargs))[0]
-        if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
-            return  # an explicit inf/NaN constant: a fill, not an overflow
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        in_flags = [_value_flags(t) for t in inputs]
-        if any(nan or posinf for nan, posinf, _ in in_flags):
-            return  # propagation of an existing NaN/inf
-        input_has_neginf = any(neginf for _, _, neginf in in_flags)
-        nan, posinf, neginf = (sum(f[i] for f in out_flags) for i in range(3))
-        if not nan and not posinf and input_has_neginf:
-            return  # a -inf mask passed on
+        if not self._creates(leaves, inputs, out_flags, outputs):
+            return
         abs_max: list[Optional[float]] = []
         for t in inputs:
             finite = t[torch.isfinite(t)]
             abs_max.append(float(finite.abs().max()) if finite.numel() else None)
+        nan, posinf, neginf = (sum(f[i] for f in out_flags) for i in range(3))
+        node, location = self._where()
         self.finding = OpFinding(
             op=_op_name(func),
             module=self.module,
@@ -191,8 +196,93 @@ class OpZoom(TorchDispatchMode):
             output_nan_count=nan,
             output_posinf_count=posinf,
             output_neginf_count=neginf,
-            location=user_location(),
+            location=location,
+            direction=self.direction,
+            node=node,
+            scalar_args=[float(v) for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)],
         )
+
+    def _creates(
+        self, leaves: list[Any], inputs: list[torch.Tensor], out_flags: list[tuple[int, int, int]], outputs: Any
+    ) -> bool:
+        raise NotImplementedError
+
+    def _where(self) -> tuple[Optional[str], Optional[SourceLocation]]:
+        return None, user_location()
+
+
+class OpZoom(_Zoom):
+    """Forward, inside the origin call: the first op with a non-finite output whose inputs had no NaN or +inf.
+
+    An op that fills an explicit ``-inf`` constant (``masked_fill(-inf)``) or passes a ``-inf`` mask on creates
+    nothing; a finite constant too large for the format (``masked_fill(-1e9)`` in float16) does.
+    """
+
+    def _creates(
+        self, leaves: list[Any], inputs: list[torch.Tensor], out_flags: list[tuple[int, int, int]], outputs: Any
+    ) -> bool:
+        if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
+            return False
+        in_flags = [_value_flags(t) for t in inputs]
+        if any(nan or posinf for nan, posinf, _ in in_flags):
+            return False  # propagation of an existing NaN/inf
+        made_nan_or_posinf = any(nan or posinf for nan, posinf, _ in out_flags)
+        return made_nan_or_posinf or not any(neginf for _, _, neginf in in_flags)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?:\s*(?P<code>[^\n]*))?')
+
+
+def forward_location(node: Any) -> Optional[SourceLocation]:
+    """The forward line that created an autograd node, from anomaly mode's recorded stack (innermost user frame)."""
+    stack = getattr(node, "metadata", {}).get("traceback_") if node is not None else None
+    if not stack:
+        return None
+    for entry in reversed(list(stack)):
+        match = _FRAME.search(entry)
+        if match is None:
+            continue
+        file = match["file"]
+        if _is_internal(file):
+            continue
+        return SourceLocation(file, int(match["line"]), match["func"].strip(), (match["code"] or "").strip())
+    return None
+
+
+class BackwardZoom(_Zoom):
+    """Backward: the first op that makes a kind of non-finite value (NaN, or inf) that none of its inputs holds,
+    and none of whose inputs was made non-finite by an earlier backward op.
+
+    Saved forward values may hold inf (``exp`` in the untaken branch of a ``torch.where``): passing them on
+    creates nothing, but multiplying them by a zero gradient *creates* the NaN. Needs anomaly mode in the
+    forward for the forward line.
+    """
+
+    direction = "backward"
+
+    def __init__(self) -> None:
+        super().__init__("", 0)
+        self._made_bad: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def _creates(
+        self, leaves: list[Any], inputs: list[torch.Tensor], out_flags: list[tuple[int, int, int]], outputs: Any
+    ) -> bool:
+        inherited = any((ref := self._made_bad.get(id(t))) is not None and ref() is t for t in inputs)
+        in_flags = [_value_flags(t) for t in inputs]
+        input_nan = any(nan for nan, _, _ in in_flags)
+        input_inf = any(posinf or neginf for _, posinf, neginf in in_flags)
+        made_nan = any(nan for nan, _, _ in out_flags)
+        made_inf = any(posinf or neginf for _, posinf, neginf in out_flags)
+        created = not inherited and ((made_nan and not input_nan) or (made_inf and not input_inf))
+        if created or inherited:  # a saved inf merely passed on (detach, view) is not a bad gradient yet
+            for t, flags in zip(outputs, out_flags):
+                if sum(flags):
+                    self._made_bad[id(t)] = weakref.ref(t)
+        return created
+
+    def _where(self) -> tuple[Optional[str], Optional[SourceLocation]]:
+        node = torch._C._current_autograd_node()
+        return (node.name() if node is not None else None), forward_location(node)
 
 
 def _op_name(func: Any) -> str:
@@ -423,10 +513,13 @@ def run_pass(
     detailed: bool,
     zoom: Optional[tuple[str, int]] = None,
     autocast: bool = True,
+    backward_zoom: bool = False,
 ) -> tuple[PassTrace, str]:
     """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
 
     ``autocast=False`` runs the same step in float32: the reference for counting underflowed gradients.
+    ``backward_zoom`` records each autograd node's forward stack (anomaly mode) and finds the backward op that
+    made the first non-finite gradient.
 
     The caller rewinds RNG and buffers before each pass. Gradients are taken with ``torch.autograd.grad`` so no
     ``.grad`` field is touched.
@@ -437,9 +530,10 @@ def run_pass(
     batch_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(spec.batch, "batch")]
     loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
     backward_ran = False
+    back_zoom = BackwardZoom() if backward_zoom else None
     recorder.install(spec.params)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _anomaly(backward_zoom):
             with torch.autocast(spec.device_type, dtype=spec.dtype, enabled=autocast):
                 try:
                     output = call_model(spec.root, spec.batch)
@@ -464,7 +558,8 @@ def run_pass(
             if spec.backward and loss.requires_grad and inputs:
                 # What GradScaler.scale does: multiply by a 0-d fp32 scale tensor (never call the user's scaler).
                 scaled = loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
-                torch.autograd.grad(scaled, inputs, allow_unused=True)
+                with back_zoom if back_zoom is not None else contextlib.nullcontext():
+                    torch.autograd.grad(scaled, inputs, allow_unused=True)
                 backward_ran = True
             del output, loss
     finally:
@@ -477,7 +572,20 @@ def run_pass(
     stats = collector.read()
     trace = _build_trace(recorder, stats, scale, detailed, batch_slots, output_slots, loss_slot, backward_ran)
     finding = loss_zoom.finding if loss_zoom is not None else (recorder.zoom.finding if recorder.zoom else None)
-    return dataclasses.replace(trace, op_finding=finding), loss_source
+    backward_finding = back_zoom.finding if back_zoom is not None else None
+    return dataclasses.replace(trace, op_finding=finding, backward_op_finding=backward_finding), loss_source
+
+
+@contextlib.contextmanager
+def _anomaly(enabled: bool) -> Iterator[None]:
+    """Anomaly mode records every autograd node's forward stack; only the backward zoom needs it."""
+    if not enabled:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+        with torch.autograd.detect_anomaly(check_nan=False):
+            yield
 
 
 def _build_trace(

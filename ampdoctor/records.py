@@ -205,7 +205,11 @@ class SourceLocation:
 
 @dataclass(frozen=True)
 class OpFinding:
-    """The first operation inside an origin whose output was non-finite while its inputs were not."""
+    """The first operation whose output was non-finite while its inputs were not.
+
+    Forward: inside the origin call, ``location`` is the line that ran the op. Backward: ``node`` is the
+    autograd node that ran it (``ExpBackward0``) and ``location`` the forward line that created that node.
+    """
 
     op: str  # "aten::bmm"
     module: str
@@ -217,6 +221,9 @@ class OpFinding:
     output_posinf_count: int
     output_neginf_count: int
     location: Optional[SourceLocation] = None
+    direction: str = "forward"
+    node: Optional[str] = None
+    scalar_args: list[float] = field(default_factory=list)  # Python numbers passed to the op (fill constants)
 
 
 @dataclass(frozen=True)
@@ -232,6 +239,7 @@ class PassTrace:
     loss: Optional[TensorStats]
     backward_ran: bool
     op_finding: Optional[OpFinding] = None
+    backward_op_finding: Optional[OpFinding] = None
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}

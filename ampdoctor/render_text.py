@@ -43,9 +43,12 @@ def describe_bad(stats: TensorStats) -> str:
 def describe_op(op: OpFinding) -> str:
     inputs = ", ".join(f"{d} |x|max {fmt_num(a)}" for d, a in zip(op.input_dtypes, op.input_abs_max))
     text = f"op {op.op} ({inputs}) -> {op.output_dtype}"
+    if op.node:
+        text += f" in autograd node {op.node}"
     if op.location is not None:
         loc = op.location
-        text += f"\n    at {os.path.basename(loc.file)}:{loc.line} in {loc.function}: {loc.code}"
+        where = "created in the forward at" if op.direction == "backward" else "at"
+        text += f"\n    {where} {os.path.basename(loc.file)}:{loc.line} in {loc.function}: {loc.code}"
     return text
 
 

@@ -8,6 +8,7 @@ tensor or per statistic. No reference to a measured tensor is kept.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -53,6 +54,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+_internal = threading.local()
+
+
+def measuring() -> bool:
+    """True while ampdoctor itself is computing statistics (op zooms must not mistake those ops for the model's)."""
+    return getattr(_internal, "depth", 0) > 0
+
+
 @dataclass
 class _Slot:
     dtype: str
@@ -85,7 +94,11 @@ class StatsCollector:
         version = tensor._version
         if seen is not None and seen[0]() is tensor and seen[1] == version and seen[2] == want_detail:
             return seen[3]
-        slot = self._measure(tensor.detach(), want_detail)
+        _internal.depth = getattr(_internal, "depth", 0) + 1
+        try:
+            slot = self._measure(tensor.detach(), want_detail)
+        finally:
+            _internal.depth -= 1
         try:
             self._seen[key] = (weakref.ref(tensor), version, want_detail, slot)
         except TypeError:  # a tensor subclass without weakref support: measure again next time
