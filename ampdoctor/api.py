@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -28,6 +29,7 @@ from .records import BATCH, LOSS, PassTrace, RunInfo
 from .report import Report
 from .stats import format_limits
 from .thresholds import DEFAULT_FP16_SCALE, MAX_REFERENCE_EXTRA_BITS, MIN_REFERENCE_EXTRA_BITS
+from .verify import VerifyContext, verify_recommendations
 
 _AUTOCAST_NOTES = {
     "cpu": "CPU autocast keeps exp, pow, sum, softmax and layer_norm in float16/bfloat16 when their input is; "
@@ -82,6 +84,7 @@ def diagnose(
     backward: bool = True,
     scale: Optional[float] = None,
     fp32_reference: bool = True,
+    verify: bool = True,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -99,6 +102,8 @@ def diagnose(
         fp32_reference: to count gradient values lost to underflow, ampdoctor re-runs the backward at a much
             larger scale when the gradients leave room for one; when they do not (the usual case at GradScaler's
             2**16), it re-runs the step once with autocast off. Set False when float32 does not fit in memory.
+        verify: prove each recommendation by re-running the step with it applied (float32 fallback of the
+            origin, growing the set when a new origin appears; bfloat16; the safe loss scale).
 
     Nothing the user owns changes: parameters, buffers, ``.grad`` fields, ``training`` flags, RNG states and
     the scaler are as before, and no hook stays behind. Each pass reads statistics back from the device once.
@@ -166,28 +171,56 @@ def diagnose(
             if scale_finding is not None and scale_finding.analysed_scale is not None:
                 at_scale = scale_finding.analysed_scale
             final = run(at_scale, detailed=True, zoom=zoom, backward_zoom=scale_finding is not None)
+        if loss_sources[0] == "surrogate":
+            notes.append(
+                "no loss_fn given and the output has no loss: the backward used a surrogate loss (mean of the "
+                "floating outputs); pass loss_fn= for the real gradients"
+            )
+        run_info = RunInfo(
+            torch_version=torch.__version__,
+            ampdoctor_version=__version__,
+            device=_describe_device(root, device_type),
+            device_type=device_type,
+            limits=limits,
+            scale=used_scale,
+            scale_source=scale_source,
+            loss_source=loss_sources[0],
+            model_class=type(root).__name__,
+            autocast_note=_AUTOCAST_NOTES.get(device_type, ""),
+            notes=notes,
+            huggingface=hasattr(type(root), "_keep_in_fp32_modules") and hasattr(root, "config"),
+        )
+        findings = analyze(final, modules, limits, underflow, scale_finding)
+        recommendations = recommend(findings, run_info, modules)
+        if verify and recommendations:
+            check_scale = used_scale
+            if findings.forward_origin is None and scale_finding is not None and scale_finding.analysed_scale:
+                check_scale = scale_finding.analysed_scale
+            context = VerifyContext(
+                root=root,
+                modules=modules,
+                baseline=survey,
+                low_dtype=limits.dtype,
+                run=lambda at_scale: run(at_scale),
+                run_other_dtype=_bf16_runner(spec, guard, device_type) if dtype == torch.float16 else None,
+            )
+            recommendations = verify_recommendations(context, findings, recommendations, check_scale)
     finally:
         guard.rewind()
-    if loss_sources[0] == "surrogate":
-        notes.append(
-            "no loss_fn given and the output has no loss: the backward used a surrogate loss (mean of the "
-            "floating outputs); pass loss_fn= for the real gradients"
-        )
-    run_info = RunInfo(
-        torch_version=torch.__version__,
-        ampdoctor_version=__version__,
-        device=_describe_device(root, device_type),
-        device_type=device_type,
-        limits=limits,
-        scale=used_scale,
-        scale_source=scale_source,
-        loss_source=loss_sources[0],
-        model_class=type(root).__name__,
-        autocast_note=_AUTOCAST_NOTES.get(device_type, ""),
-        notes=notes,
-    )
-    findings = analyze(final, modules, limits, underflow, scale_finding)
-    return Report(run_info, modules, final, findings, recommend(findings, run_info))
+    return Report(run_info, modules, final, findings, recommendations)
+
+
+def _bf16_runner(spec: PassSpec, guard: StateGuard, device_type: str) -> Optional[Callable[[float], PassTrace]]:
+    """A survey pass in bfloat16 autocast, where the device supports it."""
+    if device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        return None
+    bf16_spec = dataclasses.replace(spec, dtype=torch.bfloat16)
+
+    def run_bf16(at_scale: float) -> PassTrace:
+        guard.rewind()
+        return run_pass(bf16_spec, at_scale, detailed=False)[0]
+
+    return run_bf16
 
 
 def _fp32_pass(run: Any, scale: float) -> Optional[PassTrace]:

@@ -6,7 +6,7 @@ import math
 from typing import Optional
 
 from .analysis import Findings, Origin
-from .records import BATCH, LOSS, RunInfo
+from .records import BATCH, LOSS, ModuleInfo, RunInfo
 from .report import Recommendation
 
 
@@ -20,12 +20,63 @@ def fallback_snippet(modules: list[str], device_type: str) -> str:
     )
 
 
+FILL_OPS = frozenset(
+    {"aten::masked_fill", "aten::fill", "aten::full", "aten::where", "aten::new_full", "aten::scalar_tensor"}
+)
+
+
 def _fallback(origin: Origin, run: RunInfo, why: str) -> Recommendation:
+    if origin.module == "":
+        where = ""
+        if origin.op is not None and origin.op.location is not None:
+            loc = origin.op.location
+            where = f" at {loc.file}:{loc.line} ({loc.code})"
+        return Recommendation(
+            action="fix_code",
+            modules=[],
+            title=f"<root> ({origin.class_name}): {why}{where}; a float32 fallback would cover the whole model, "
+            "so compute that op in float32 (or rescale it) instead",
+            snippet=f"with torch.autocast({run.device_type!r}, enabled=False):\n"
+            "    y = op(x.float())  # the line named above",
+        )
     return Recommendation(
         action="fp32_fallback",
         modules=[origin.module],
-        title=f"run {origin.module or '<root>'} ({origin.class_name}) in float32: {why}",
+        title=f"run {origin.module} ({origin.class_name}) in float32: {why}",
         snippet=fallback_snippet([origin.module], run.device_type),
+    )
+
+
+def _mask_constant(origin: Origin, run: RunInfo) -> Optional[Recommendation]:
+    """A finite fill constant too large for the format (``masked_fill(mask, -1e9)`` in float16) becomes inf."""
+    op = origin.op
+    if op is None or op.op.split(".")[0] not in FILL_OPS:
+        return None
+    if not any(abs(v) >= run.limits.overflow_threshold for v in op.scalar_args):
+        return None
+    constant = next(v for v in op.scalar_args if abs(v) >= run.limits.overflow_threshold)
+    return Recommendation(
+        action="mask_constant",
+        modules=[origin.module],
+        title=f"the fill constant {constant:g} does not fit {run.limits.dtype} (max {run.limits.max:g}): use the "
+        "dtype's own minimum",
+        snippet="scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)",
+    )
+
+
+def _keep_in_fp32(origin: Origin, run: RunInfo, modules: list[ModuleInfo]) -> Optional[Recommendation]:
+    """Hugging Face loads modules listed in ``_keep_in_fp32_modules`` in float32 when the rest is float16."""
+    if not run.huggingface or origin.module in ("", LOSS, BATCH):
+        return None
+    info = next((m for m in modules if m.name == origin.module), None)
+    if info is None or not any(p.stats.dtype == run.limits.dtype for p in info.params):
+        return None  # its weights are float32 already (plain AMP): the setting changes nothing
+    leaf = origin.module.rsplit(".", 1)[-1]
+    return Recommendation(
+        action="keep_in_fp32",
+        modules=[origin.module],
+        title=f"its weights are stored in {run.limits.dtype}: have Hugging Face keep '{leaf}' modules in float32",
+        snippet=f"{run.model_class}._keep_in_fp32_modules = ['{leaf}']  # before from_pretrained(..., torch_dtype=...)",
     )
 
 
@@ -41,8 +92,9 @@ def _bf16(run: RunInfo) -> Optional[Recommendation]:
     )
 
 
-def recommend(findings: Findings, run: RunInfo) -> list[Recommendation]:
-    """The remedies that apply to the findings, most direct first."""
+def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInfo]] = None) -> list[Recommendation]:
+    """The remedies that apply to the findings, most direct first (unverified: ``verify`` re-runs them)."""
+    modules = modules or []
     recs: list[Recommendation] = []
     fwd, bwd = findings.forward_origin, findings.backward_origin
     if fwd is not None and fwd.module == BATCH:
@@ -69,7 +121,13 @@ def recommend(findings: Findings, run: RunInfo) -> list[Recommendation]:
         )
         return recs
     if fwd is not None:
+        mask = _mask_constant(fwd, run)
+        if mask is not None:
+            recs.append(mask)
         recs.append(_fallback(fwd, run, f"its own code made {fwd.tensor} non-finite from finite inputs"))
+        keep = _keep_in_fp32(fwd, run, modules)
+        if keep is not None:
+            recs.append(keep)
         bf16 = _bf16(run)
         if bf16 is not None and findings.verdict == "overflow":
             recs.append(bf16)

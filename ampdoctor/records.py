@@ -283,6 +283,7 @@ class RunInfo:
     model_class: str
     autocast_note: str
     notes: list[str] = field(default_factory=list)
+    huggingface: bool = False  # a transformers PreTrainedModel (has _keep_in_fp32_modules)
 
 
 T = TypeVar("T")

@@ -138,6 +138,15 @@ def render_text(report: Report, max_rows: int = 20) -> str:
     for i, rec in enumerate(report.recommendations, 1):
         status = " [verified]" if rec.verified else ""
         rec_lines.append(f"  {i}. {rec.title}{status}")
+        if rec.evidence:
+            rec_lines.append(f"       evidence: {rec.evidence}")
+        if rec.cost is not None:
+            cost = rec.cost
+            rec_lines.append(
+                f"       cost: +{cost.extra_activation_bytes / 1024:.1f} KiB of activations, "
+                f"{cost.fp32_matmul_flop_share:.1%} of Linear/Conv FLOPs in float32"
+                + (f" ({cost.note})" if cost.note else "")
+            )
         rec_lines += ["       " + line for line in rec.snippet.splitlines()]
     lines += _section("Recommendations", rec_lines)
     lines += _section("Layers by headroom", [_headroom_table(report, max_rows)])

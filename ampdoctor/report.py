@@ -15,16 +15,25 @@ SCHEMA_VERSION = "1.0"
 
 
 @dataclass(frozen=True)
+class Cost:
+    """What a float32 fallback costs, estimated from the captured shapes."""
+
+    extra_activation_bytes: int  # outputs of the fallback calls held in float32 instead of the low dtype
+    fp32_matmul_flop_share: float  # share of the model's Linear/Conv FLOPs that move to float32
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class Recommendation:
     """One thing to change. ``modules`` names module calls' modules as in the report (``""`` is the root)."""
 
-    action: str  # "fp32_fallback", "loss_scale", "bf16", "fix_batch", "fix_loss"
+    action: str  # "fp32_fallback", "loss_scale", "bf16", "mask_constant", "keep_in_fp32", "fix_code", ...
     modules: list[str]
     title: str
     snippet: str
-    verified: bool = False
-    evidence: str = ""
-    cost: Optional[str] = None
+    verified: bool = False  # True only when a re-run with the change applied came out finite
+    evidence: str = ""  # what the verification run showed (or why there was none)
+    cost: Optional[Cost] = None
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,10 @@ def test_origin_in_a_leaf_linear() -> None:
     assert origin.input_abs_max == 1.0
     assert origin.op is not None and origin.op.op in ("aten::addmm", "aten::mm")
     assert report.findings.propagation == ["post", "<root>"]
+    # verified: boom in float32 hands 80000 to post, whose float16 input cast overflows next: both are needed
     assert report.recommendations[0].action == "fp32_fallback"
-    assert report.recommendations[0].modules == ["boom"]
+    assert report.recommendations[0].modules == ["boom", "post"]
+    assert report.recommendations[0].verified
     assert report.exit_code == 1
 
 
@@ -428,6 +430,6 @@ def test_report_text_mentions_the_essentials() -> None:
     text = str(run(model, torch.ones(2, 16)))
     first = text.splitlines()[0]
     assert first == "ampdoctor: OVERFLOW - forward origin: 0"
-    for needle in ("torch " + torch.__version__, "float16 autocast on cpu", "loss scale 65536", "fp32_fallback"):
+    for needle in ("torch " + torch.__version__, "float16 autocast on cpu", "loss scale 65536", "Recommendations"):
         assert needle in text
     assert math.isfinite(65504.0)

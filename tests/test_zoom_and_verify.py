@@ -1,0 +1,206 @@
+"""Op-level zoom (forward and backward) and the verification loop of float32 fallbacks (CPU, fp16 and bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_untouched, snapshot
+from torch import nn
+
+import ampdoctor
+
+
+def constant_linear(n_in: int, n_out: int, value: float) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(value)
+    return layer
+
+
+def diagnose(model: nn.Module, batch, **kwargs) -> ampdoctor.Report:  # type: ignore[no-untyped-def]
+    before = snapshot(model)
+    report = ampdoctor.diagnose(model, batch, **kwargs)
+    assert_untouched(model, before)
+    return report
+
+
+# -- forward zoom: ops between child modules ---------------------------------------------------------------
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = constant_linear(4, 4, 10000.0)  # 4 * 10000 = 40000: finite in float16
+        self.right = constant_linear(4, 4, 10000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.left(x) + self.right(x)  # 40000 + 40000 = 80000: the add overflows, between the children
+        return y * 0.5
+
+
+def test_zoom_names_a_residual_add_between_two_children() -> None:
+    report = diagnose(Residual(), torch.ones(1, 4), loss_fn=lambda out, _: out.float().mean())
+    origin = report.forward_origin
+    assert origin is not None and origin.module == "" and origin.class_name == "Residual"
+    assert origin.op is not None and origin.op.op == "aten::add.Tensor"
+    assert origin.op.input_abs_max == [40000.0, 40000.0]
+    assert origin.op.location is not None
+    assert origin.op.location.code.startswith("y = self.left(x) + self.right(x)  # 40000 + 40000")
+    # the origin is the whole model's own code: no fallback of the whole model is offered
+    assert "fix_code" in [r.action for r in report.recommendations]
+    assert not any(r.action == "fp32_fallback" for r in report.recommendations)
+
+
+class SquareNorm(nn.Module):
+    """A custom energy norm: x * x overflows in float16 for |x| > 256, and inf / inf is NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        power = x * x
+        return power / power.sum(-1, keepdim=True)
+
+
+def test_zoom_names_x_times_x_in_a_custom_norm() -> None:
+    model = nn.Sequential()
+    model.add_module("proj", constant_linear(8, 8, 40.0))  # 8 * 40 = 320 per unit, in float16
+    model.add_module("norm", SquareNorm())
+    model.add_module("head", nn.Linear(8, 2))
+    report = diagnose(model, torch.ones(2, 8), loss_fn=lambda out, _: out.float().mean())
+    origin = report.forward_origin
+    assert origin is not None and origin.module == "norm"
+    assert origin.op is not None and origin.op.op == "aten::mul.Tensor"
+    assert origin.op.location is not None and origin.op.location.code == "power = x * x"
+    assert origin.op.input_abs_max == [320.0, 320.0]  # 320 * 320 = 102400 > 65504
+
+
+def test_mask_constant_too_large_for_float16() -> None:
+    class MaskedScores(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = self.proj(x)
+            mask = torch.zeros_like(scores, dtype=torch.bool)
+            mask[..., -1] = True
+            return torch.where(mask, -1e9, scores)  # -1e9 is -inf in float16
+
+    report = diagnose(MaskedScores(), torch.ones(2, 4), loss_fn=lambda out, _: out.float().clamp(min=-1).mean())
+    origin = report.forward_origin
+    # torch.where(mask, scalar, t) makes the scalar a float16 tensor first: that is where -1e9 becomes -inf
+    assert origin is not None and origin.op is not None and origin.op.op == "aten::scalar_tensor"
+    assert -1e9 in origin.op.scalar_args
+    assert report.recommendations[0].action == "mask_constant"
+    assert "torch.finfo(scores.dtype).min" in report.recommendations[0].snippet
+
+
+# -- backward zoom -----------------------------------------------------------------------------------------
+
+
+class WhereExp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = constant_linear(4, 4, 5.0)  # 4 * 5 = 20; exp(20) = 4.9e8: inf in float16
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        safe = torch.where(h < 10, torch.exp(h), h)  # the untaken branch overflows; its backward makes 0 * inf
+        return self.head(safe)
+
+
+def test_backward_zoom_names_the_forward_line_of_a_where_with_an_overflowing_branch() -> None:
+    report = diagnose(WhereExp(), torch.ones(2, 4), loss_fn=lambda out, _: out.float().mean())
+    assert report.forward_origin is None  # the forward output is finite
+    assert report.verdict == "nan"
+    assert report.findings.scale is not None and report.findings.scale.largest_finite_scale is None
+    origin = report.backward_origin
+    assert origin is not None and origin.module == "" and origin.op is not None
+    op = origin.op
+    assert op.direction == "backward" and op.node == "ExpBackward0" and op.op == "aten::mul.Tensor"
+    assert op.location is not None and op.location.file.endswith("test_zoom_and_verify.py")
+    assert op.location.code.startswith("safe = torch.where(h < 10, torch.exp(h), h)")
+
+
+# -- verification loop -------------------------------------------------------------------------------------
+
+
+class TwoOrigins(nn.Module):
+    """first: 8 * 1e4 = 80000 (inf in fp16). In float32 it hands 80000 to second, whose float16 input cast
+    overflows next; second's weight 1e-4 brings it back to 8 * 80000 * 1e-4 = 64. rest stays in float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = constant_linear(8, 8, 1e4)
+        self.second = constant_linear(8, 8, 1e-4)
+        self.rest = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(self.second(self.first(x)))
+
+
+def test_verification_loop_finds_exactly_the_two_origins() -> None:
+    model = TwoOrigins()
+    report = diagnose(model, torch.ones(2, 8), loss_fn=lambda out, _: out.float().mean())
+    assert report.forward_origin is not None and report.forward_origin.module == "first"
+    fallback = next(r for r in report.recommendations if r.action == "fp32_fallback")
+    assert fallback.modules == ["first", "second"]
+    assert fallback.verified
+    assert "forward and backward finite" in fallback.evidence
+    assert fallback.cost is not None and 0 < fallback.cost.fp32_matmul_flop_share < 1
+    # Apply it ourselves: finite, and every module outside the set still runs in float16.
+    dtypes: dict[str, torch.dtype] = {}
+    handles = [
+        m.register_forward_hook(lambda mod, i, o, name=name: dtypes.__setitem__(name, o.dtype))
+        for name, m in model.rest.named_modules(prefix="rest")
+    ]
+    with ampdoctor.fp32_fallback(model, fallback.modules), torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.ones(2, 8))
+    for handle in handles:
+        handle.remove()
+    assert torch.isfinite(out).all()
+    assert dtypes == {"rest": torch.float16, "rest.0": torch.float16, "rest.1": torch.float16, "rest.2": torch.float16}
+
+
+def test_verification_refuses_to_claim_a_fix_for_an_inf_batch() -> None:
+    batch = torch.ones(2, 8)
+    batch[0, 0] = float("inf")
+    report = diagnose(TwoOrigins(), batch)
+    assert report.forward_origin is not None and report.forward_origin.module == "<batch>"
+    assert [r.action for r in report.recommendations] == ["fix_batch"]
+    assert not any(r.verified for r in report.recommendations)
+
+
+def test_weights_already_inf_are_not_fixed_by_a_fallback() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("inf")
+    report = diagnose(model, torch.ones(2, 4), loss_fn=lambda out, _: out.float().mean())
+    assert report.forward_origin is not None and report.forward_origin.module == "1"
+    fallback = next(r for r in report.recommendations if r.action == "fp32_fallback")
+    assert not fallback.verified
+    assert "stays the origin even in float32" in fallback.evidence
+    assert report.modules[2].params[0].stats.posinf_count == 1  # the weight itself is reported
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fallback_handle_restores_parameters_hooks_and_forward(dtype: torch.dtype) -> None:
+    model = TwoOrigins()
+    hook = model.first.register_forward_hook(lambda m, i, o: None)
+    forwards = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+    before = snapshot(model)
+    handle = ampdoctor.fp32_fallback(model, ["first", "rest.0"])
+    with torch.autocast("cpu", dtype=dtype):
+        assert model.first(torch.ones(1, 8, dtype=dtype)).dtype == torch.float32
+        assert model.rest[2](torch.ones(1, 8)).dtype == dtype
+    handle.remove()
+    assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == forwards
+    assert model.first._forward_hooks and list(model.first._forward_hooks.values())[0] is hook.hooks_dict_ref()[hook.id]  # type: ignore[attr-defined,index]
+    hook.remove()
+    after = snapshot(model)
+    assert after.state == before.state
+
+
+def test_bfloat16_remedy_is_verified_by_a_bf16_rerun() -> None:
+    report = diagnose(TwoOrigins(), torch.ones(2, 8), loss_fn=lambda out, _: out.float().mean())
+    bf16 = next(r for r in report.recommendations if r.action == "bf16")
+    assert bf16.verified and "bfloat16" in bf16.evidence
