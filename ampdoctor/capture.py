@@ -538,7 +538,12 @@ def run_pass(
                 try:
                     output = call_model(spec.root, spec.batch)
                 except Exception as exc:
-                    where = f" (last module that ran: '{recorder.last_module or '<root>'}')"
+                    where = f" (last module that ran: '{recorder.last_module or '<root>'}'"
+                    if recorder.stack:
+                        inner = recorder.calls[recorder.stack[-1]].module or "<root>"
+                        if inner != recorder.last_module:
+                            where += f", inside '{inner}'"
+                    where += ")"
                     raise AmpDoctorError(f"the model's forward raised {type(exc).__name__}: {exc}{where}") from exc
                 finally:
                     recorder.close_zoom()
