@@ -121,6 +121,36 @@ class ScaleFinding:
 
 
 @dataclass(frozen=True)
+class WindowProbe:
+    scale: float
+    gradients_finite: bool
+    lost_share: Optional[float]  # share of reference-nonzero gradient values that are zero at this scale
+
+
+@dataclass(frozen=True)
+class ScaleWindow:
+    """Loss scales that neither overflow (``<= max_safe``) nor lose >= 1 % of gradient values (``>= min_useful``)."""
+
+    current: float
+    max_safe: Optional[float]  # largest power of two with finite gradients (None: not even scale 1)
+    min_useful: Optional[float]  # smallest power of two losing < 1 % (None: none does)
+    probes: list[WindowProbe]
+    module_min_useful: dict[str, float]  # per module with parameters: smallest probed scale losing < 1 %
+    reference: str
+
+    @property
+    def empty(self) -> bool:
+        """float16's range is too narrow for this model: no scale both avoids overflow and keeps gradients."""
+        return self.max_safe is None or self.min_useful is None or self.min_useful > self.max_safe
+
+    @property
+    def contains_current(self) -> bool:
+        return not self.empty and self.min_useful is not None and self.max_safe is not None and (
+            self.min_useful <= self.current <= self.max_safe
+        )
+
+
+@dataclass(frozen=True)
 class Findings:
     verdict: str
     forward_origin: Optional[Origin]
@@ -131,6 +161,7 @@ class Findings:
     scale: Optional[ScaleFinding]
     not_captured: list[str]  # calls whose output gradient was expected but never observed
     warnings: list[str] = field(default_factory=list)
+    window: Optional[ScaleWindow] = None
 
 
 # -- small helpers -----------------------------------------------------------------------------------------
@@ -461,6 +492,7 @@ def analyze(
     limits: FormatLimits,
     underflow: Optional[UnderflowFinding] = None,
     scale: Optional[ScaleFinding] = None,
+    window: Optional[ScaleWindow] = None,
 ) -> Findings:
     """Findings of one (detailed) pass at the used scale, given the results of any re-runs."""
     fwd = forward_origin(trace)
@@ -488,6 +520,16 @@ def analyze(
     else:
         verdict = "healthy"
     near = near_limit(trace, modules, limits)
+    if window is not None and window.empty:
+        warnings.append(
+            f"no loss scale fits: {limits.dtype}'s range is too narrow for this model's gradients "
+            "(use bfloat16, or float32 islands for the modules that lose the most)"
+        )
+    elif window is not None and not window.contains_current:
+        warnings.append(
+            f"the loss scale {window.current:g} is outside the useful window "
+            f"[{window.min_useful:g}, {window.max_safe:g}]"
+        )
     if near:
         warnings.append(f"{len(near)} tensor(s) within {HEADROOM_WARN_BITS:g} bit of the {limits.dtype} max")
     return Findings(
@@ -500,4 +542,5 @@ def analyze(
         scale=scale,
         not_captured=not_captured(trace),
         warnings=warnings,
+        window=window,
     )

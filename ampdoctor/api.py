@@ -11,24 +11,16 @@ import torch
 from torch import nn
 
 from ._version import __version__
-from .analysis import (
-    ScaleFinding,
-    ScaleProbe,
-    UnderflowFinding,
-    analyze,
-    forward_origin,
-    lost_gradients,
-    near_limit,
-    reference_extra_bits,
-)
+from .analysis import ScaleFinding, ScaleWindow, UnderflowFinding, analyze, forward_origin, near_limit
 from .capture import LossFn, PassSpec, StateGuard, capture_params, iter_tensors, run_pass
 from .errors import AmpDoctorError
 from .fixes import unwrap_model
+from .probes import Runner, measure_window, probe_scales, underflow_reference
 from .recommend import recommend
 from .records import BATCH, LOSS, PassTrace, RunInfo
 from .report import Report
 from .stats import format_limits
-from .thresholds import DEFAULT_FP16_SCALE, MAX_REFERENCE_EXTRA_BITS, MIN_REFERENCE_EXTRA_BITS
+from .thresholds import DEFAULT_FP16_SCALE
 from .verify import VerifyContext, verify_recommendations
 
 _AUTOCAST_NOTES = {
@@ -85,6 +77,7 @@ def diagnose(
     scale: Optional[float] = None,
     fp32_reference: bool = True,
     verify: bool = True,
+    scale_window: bool = True,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -102,6 +95,8 @@ def diagnose(
         fp32_reference: to count gradient values lost to underflow, ampdoctor re-runs the backward at a much
             larger scale when the gradients leave room for one; when they do not (the usual case at GradScaler's
             2**16), it re-runs the step once with autocast off. Set False when float32 does not fit in memory.
+        scale_window: measure the window of useful loss scales (largest without overflow, smallest losing
+            < 1 % of gradient values) by re-running the step at candidate scales; needs ``fp32_reference``.
         verify: prove each recommendation by re-running the step with it applied (float32 fallback of the
             origin, growing the set when a new origin appears; bfloat16; the safe loss scale).
 
@@ -149,13 +144,17 @@ def diagnose(
         loss_sources: list[str] = []
         survey = run(used_scale)
         origin = forward_origin(survey)
+        runner = Runner(lambda at_scale, autocast: run(at_scale, autocast=autocast), fp32_reference)
         scale_finding: Optional[ScaleFinding] = None
         underflow: Optional[UnderflowFinding] = None
+        window: Optional[ScaleWindow] = None
         if origin is None and survey.backward_ran:
             if not survey.gradients_finite():
-                scale_finding = _probe_scales(run, survey, modules, fp32_reference)
+                scale_finding = probe_scales(runner, survey, modules)
             else:
-                underflow = _underflow_reference(run, survey, modules, limits, fp32_reference)
+                underflow = underflow_reference(runner, survey, modules, limits)
+            if scale_window and (scale_finding is None or scale_finding.largest_finite_scale is not None):
+                window = measure_window(runner, survey, modules, limits)
         needs_detail = (
             origin is not None
             or scale_finding is not None
@@ -190,7 +189,7 @@ def diagnose(
             notes=notes,
             huggingface=hasattr(type(root), "_keep_in_fp32_modules") and hasattr(root, "config"),
         )
-        findings = analyze(final, modules, limits, underflow, scale_finding)
+        findings = analyze(final, modules, limits, underflow, scale_finding, window)
         recommendations = recommend(findings, run_info, modules)
         if verify and recommendations:
             check_scale = used_scale
@@ -221,66 +220,3 @@ def _bf16_runner(spec: PassSpec, guard: StateGuard, device_type: str) -> Optiona
         return run_pass(bf16_spec, at_scale, detailed=False)[0]
 
     return run_bf16
-
-
-def _fp32_pass(run: Any, scale: float) -> Optional[PassTrace]:
-    """The same step with autocast off: the ground truth of which gradient values are nonzero."""
-    trace: PassTrace = run(scale, autocast=False)
-    return trace if trace.gradients_finite() else None
-
-
-def _probe_scales(run: Any, survey: PassTrace, modules: Any, fp32_reference: bool) -> ScaleFinding:
-    """Binary search for the largest power-of-two scale >= 1 below the used one with finite gradients.
-
-    Assumes finiteness is monotone in the scale, which holds when overflow is what made gradients non-finite.
-    """
-    used = survey.scale
-    probes: list[ScaleProbe] = []
-    traces: dict[int, PassTrace] = {}
-
-    def finite_at(exponent: int) -> bool:
-        trace = run(2.0**exponent)
-        traces[exponent] = trace
-        ok = trace.gradients_finite() and trace.forward_finite()
-        probes.append(ScaleProbe(2.0**exponent, ok))
-        return ok
-
-    top = math.ceil(math.log2(used)) if used > 1 else 0  # 2**top >= used: known (or assumed) non-finite
-    if used <= 1:
-        return ScaleFinding(used, probes, None, None, used)
-    if not finite_at(0):
-        return ScaleFinding(used, probes, None, None, 1.0)
-    low, high = 0, top
-    while high - low > 1:
-        mid = (low + high) // 2
-        if finite_at(mid):
-            low = mid
-        else:
-            high = mid
-    best = traces[low]
-    others = [t for e, t in traces.items() if e != low] + [survey]
-    reference = "the re-runs at other scales"
-    fp32 = _fp32_pass(run, 2.0**low) if fp32_reference else None
-    if fp32 is not None:
-        others.append(fp32)
-        reference = "a float32 backward (autocast off) and " + reference
-    lost = lost_gradients(best, others, modules, reference)
-    lowest_bad = 2.0**high if high < top else used
-    return ScaleFinding(used, sorted(probes, key=lambda p: p.scale), 2.0**low, lost.share if lost else None, lowest_bad)
-
-
-def _underflow_reference(
-    run: Any, survey: PassTrace, modules: Any, limits: Any, fp32_reference: bool
-) -> Optional[UnderflowFinding]:
-    """A reference backward: at a much larger scale when the survey's gradient maxima leave room, else float32."""
-    extra = reference_extra_bits(survey, limits, MAX_REFERENCE_EXTRA_BITS)
-    while extra >= MIN_REFERENCE_EXTRA_BITS:
-        reference = run(survey.scale * 2.0**extra)
-        if reference.gradients_finite():
-            return lost_gradients(survey, [reference], modules, f"backward at scale {survey.scale * 2.0**extra:g}")
-        extra //= 2
-    if fp32_reference:
-        fp32 = _fp32_pass(run, survey.scale)
-        if fp32 is not None:
-            return lost_gradients(survey, [fp32], modules, "float32 backward (autocast off)")
-    return None

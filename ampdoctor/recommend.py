@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -171,8 +172,14 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
             recs.append(bf16)
         return recs
     under = findings.underflow
+    window = findings.window
+    if window is not None and window.empty and findings.verdict in ("underflow", "healthy"):
+        bf16 = _bf16(run)
+        if bf16 is not None:
+            recs.append(dataclasses.replace(bf16, title="no loss scale fits float16 for this model: " + bf16.title))
+        return recs
     if findings.verdict == "underflow" and under is not None:
-        bigger = run.scale * 2.0**8
+        bigger = window.max_safe if window is not None and window.max_safe else run.scale * 2.0**8
         recs.append(
             Recommendation(
                 action="loss_scale",
@@ -185,6 +192,16 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
         bf16 = _bf16(run)
         if bf16 is not None:
             recs.append(bf16)
+    elif window is not None and not window.contains_current and window.max_safe and window.min_useful:
+        recs.append(
+            Recommendation(
+                action="loss_scale",
+                modules=[],
+                title=f"the loss scale {run.scale:g} is outside the measured window "
+                f"[{window.min_useful:g}, {window.max_safe:g}]",
+                snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={window.max_safe:g})",
+            )
+        )
     for near in findings.near_limit:
         if near.tensor.startswith("out") and math.isfinite(near.headroom_bits):
             recs.append(

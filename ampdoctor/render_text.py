@@ -111,6 +111,21 @@ def render_text(report: Report, max_rows: int = 20) -> str:
                 + (" (harmless)" if f.scale.harmless else "")
             )
         lines += _section("Loss scale", body)
+    if f.window is not None:
+        w = f.window
+        if w.empty:
+            body = [f"  empty: no power-of-two scale avoids overflow and keeps 99% of gradient values ({w.reference})"]
+        else:
+            where = "inside" if w.contains_current else "OUTSIDE"
+            body = [
+                f"  useful scales [{fmt_num(w.min_useful)}, {fmt_num(w.max_safe)}]; "
+                f"current {w.current:g} is {where} ({w.reference})"
+            ]
+        probes = ", ".join(
+            f"{p.scale:g}:" + (f"{p.lost_share:.1%} lost" if p.lost_share is not None else "inf") for p in w.probes
+        )
+        body.append(f"  measured at {probes}")
+        lines += _section("Loss-scale window", body)
     if f.underflow is not None:
         u = f.underflow
         body = [
