@@ -14,6 +14,7 @@ from typing import Optional
 from .records import (
     BATCH,
     LOSS,
+    Comparison,
     FormatLimits,
     GradEvent,
     ModuleCall,
@@ -151,6 +152,31 @@ class ScaleWindow:
 
 
 @dataclass(frozen=True)
+class PrecisionFinding:
+    """Each compared call against its own float32 re-run (``diagnose(..., reference=True)``)."""
+
+    comparisons: list[Comparison]
+    jump: Optional[str]  # the call whose relative error stands out (>= JUMP_FACTOR x the median), if any
+    underflow_calls: list[str]  # calls with outputs nonzero in float32 but zero in the low precision
+
+
+# A call's relative error "jumps" when it is at least this many times the median over compared calls.
+JUMP_FACTOR = 10.0
+
+
+def precision_finding(comparisons: list[Comparison]) -> Optional[PrecisionFinding]:
+    if not comparisons:
+        return None
+    errors = sorted(c.relative_error for c in comparisons if math.isfinite(c.relative_error))
+    median = errors[len(errors) // 2] if errors else 0.0
+    worst = max(comparisons, key=lambda c: c.relative_error if math.isfinite(c.relative_error) else math.inf)
+    jump = None
+    if not math.isfinite(worst.relative_error) or worst.relative_error >= JUMP_FACTOR * max(median, 1e-12):
+        jump = worst.label
+    return PrecisionFinding(comparisons, jump, [c.label for c in comparisons if c.underflow_count])
+
+
+@dataclass(frozen=True)
 class Findings:
     verdict: str
     forward_origin: Optional[Origin]
@@ -162,6 +188,7 @@ class Findings:
     not_captured: list[str]  # calls whose output gradient was expected but never observed
     warnings: list[str] = field(default_factory=list)
     window: Optional[ScaleWindow] = None
+    precision: Optional[PrecisionFinding] = None
 
 
 # -- small helpers -----------------------------------------------------------------------------------------
@@ -493,6 +520,7 @@ def analyze(
     underflow: Optional[UnderflowFinding] = None,
     scale: Optional[ScaleFinding] = None,
     window: Optional[ScaleWindow] = None,
+    comparisons: Optional[list[Comparison]] = None,
 ) -> Findings:
     """Findings of one (detailed) pass at the used scale, given the results of any re-runs."""
     fwd = forward_origin(trace)
@@ -543,4 +571,5 @@ def analyze(
         not_captured=not_captured(trace),
         warnings=warnings,
         window=window,
+        precision=precision_finding(comparisons or []),
     )

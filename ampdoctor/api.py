@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -78,6 +78,7 @@ def diagnose(
     fp32_reference: bool = True,
     verify: bool = True,
     scale_window: bool = True,
+    reference: Union[bool, int] = False,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -97,6 +98,9 @@ def diagnose(
             2**16), it re-runs the step once with autocast off. Set False when float32 does not fit in memory.
         scale_window: measure the window of useful loss scales (largest without overflow, smallest losing
             < 1 % of gradient values) by re-running the step at candidate scales; needs ``fp32_reference``.
+        reference: compare each leaf call (``True``) or each call ``n`` levels down (an int) against a float32
+            re-run of that call alone on its own inputs: relative error, SQNR, forward underflow. Never runs the
+            whole model in float32.
         verify: prove each recommendation by re-running the step with it applied (float32 fallback of the
             origin, growing the set when a new origin appears; bfloat16; the safe loss scale).
 
@@ -135,14 +139,15 @@ def diagnose(
             zoom: Optional[tuple[str, int]] = None,
             autocast: bool = True,
             backward_zoom: bool = False,
+            compare: Union[bool, int] = False,
         ) -> PassTrace:
             guard.rewind()  # the same RNG draws and buffers for every pass: re-runs are identical
-            trace, source = run_pass(spec, at_scale, detailed, zoom, autocast, backward_zoom)
+            trace, source = run_pass(spec, at_scale, detailed, zoom, autocast, backward_zoom, compare)
             loss_sources.append(source)
             return trace
 
         loss_sources: list[str] = []
-        survey = run(used_scale)
+        survey = run(used_scale, compare=reference)
         origin = forward_origin(survey)
         runner = Runner(lambda at_scale, autocast: run(at_scale, autocast=autocast), fp32_reference)
         scale_finding: Optional[ScaleFinding] = None
@@ -189,7 +194,7 @@ def diagnose(
             notes=notes,
             huggingface=hasattr(type(root), "_keep_in_fp32_modules") and hasattr(root, "config"),
         )
-        findings = analyze(final, modules, limits, underflow, scale_finding, window)
+        findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons)
         recommendations = recommend(findings, run_info, modules)
         if verify and recommendations:
             check_scale = used_scale

@@ -18,17 +18,18 @@ import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import AmpDoctorError
 from .records import (
     LOSS,
+    Comparison,
     GradEvent,
     ModuleCall,
     ModuleInfo,
@@ -333,6 +334,100 @@ def _hook_target(t: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple[Any, Any
     return base, (tuple(t.size()), tuple(t.stride()), t.storage_offset() - base.storage_offset())
 
 
+def _to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
+        return value.detach().float()
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+class FloatReference:
+    """Re-runs chosen calls in float32 under ``no_grad`` on the call's own inputs and compares the outputs.
+
+    Never the whole model in float32 (the users who need this run out of memory there): one call at a time,
+    both outputs dropped after the comparison. The RNG and the module's buffers are put back after each
+    re-run so the AMP pass goes on exactly as without it.
+    """
+
+    def __init__(self, collector: StatsCollector, depth: Optional[int], device_type: str) -> None:
+        self.collector = collector
+        self.depth = depth  # None: leaf modules; n: modules n levels below the root (and shallower leaves)
+        self.device_type = device_type
+        self.busy = False
+        self.pending: dict[int, tuple[Any, Any, tuple[torch.Tensor, Optional[torch.Tensor]]]] = {}
+        self.compared: list[tuple[str, int, str, int]] = []  # module, call, path, values group
+
+    def wants(self, module: nn.Module, name: str) -> bool:
+        is_leaf = next(module.children(), None) is None
+        if self.depth is None:
+            return is_leaf
+        level = 0 if name == "" else name.count(".") + 1
+        return level == self.depth or (is_leaf and level < self.depth)
+
+    def rng_state(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return torch.get_rng_state(), torch.cuda.get_rng_state() if self.device_type == "cuda" else None
+
+    def _set_rng(self, state: tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+
+    def compare(
+        self,
+        module: nn.Module,
+        name: str,
+        number: int,
+        inputs: tuple[Any, Any, tuple[torch.Tensor, Optional[torch.Tensor]]],
+        output: Any,
+    ) -> None:
+        """``inputs``: the call's args, kwargs and the RNG state it started with (same dropout mask)."""
+        args, kwargs, rng_before = inputs
+        rng_after = self.rng_state()
+        # The re-run updates copies of the buffers (BatchNorm statistics); the originals are swapped back
+        # untouched, since the AMP forward may have saved them for its backward (an in-place restore would
+        # bump their version and break that backward).
+        swapped = []
+        for owner in module.modules():
+            for key, buf in owner._buffers.items():
+                if buf is not None:
+                    swapped.append((owner, key, buf))
+                    owner._buffers[key] = buf.detach().clone()
+        self.busy = True
+        self._set_rng(rng_before)
+        try:
+            with torch.no_grad(), torch.autocast(self.device_type, enabled=False):
+                reference = module(*tree_map(_to_fp32, args), **tree_map(_to_fp32, kwargs))
+        finally:
+            self.busy = False
+            self._set_rng(rng_after)
+            for owner, key, buf in swapped:
+                owner._buffers[key] = buf
+        low = dict(iter_tensors(output, "out"))
+        for path, ref in iter_tensors(reference, "out"):
+            got = low.get(path)
+            if got is None or not ref.is_floating_point() or got.shape != ref.shape or not ref.numel():
+                continue
+            # Norms in float64: squares of tiny (subnormal) float32 values would underflow to 0 in float32.
+            wide = torch.float32 if ref.device.type == "mps" else torch.float64
+            signal = ref.to(wide).pow(2).sum()
+            noise = (got.detach().to(wide) - ref.to(wide)).pow(2).sum()
+            zero = torch.zeros((), dtype=wide, device=ref.device)
+            inf = torch.full((), math.inf, dtype=wide, device=ref.device)
+            # 0/0 (a call whose float32 output is all zero and matched exactly) is no error at all.
+            relative = torch.where(signal > 0, (noise / signal).sqrt(), torch.where(noise > 0, inf, zero))
+            sqnr = torch.where(noise > 0, 10 * torch.log10(signal / noise), inf)
+            group = self.collector.add_values(
+                [relative, sqnr, ((ref != 0) & (got == 0)).sum(), (ref != 0).sum()]
+            )
+            self.compared.append((name, number, path, group))
+
+    def records(self) -> list[Comparison]:
+        out = []
+        for name, number, path, group in self.compared:
+            rel, sqnr, underflow, nonzero = self.collector.values[group]
+            out.append(Comparison(name, number, path, rel, sqnr, int(underflow), int(nonzero)))
+        return out
+
+
 class Recorder:
     """Installs forward hooks on every module and gradient hooks on what they return; records plain numbers."""
 
@@ -343,7 +438,9 @@ class Recorder:
         collector: StatsCollector,
         record_grads: bool,
         zoom: Optional[tuple[str, int]] = None,
+        reference: Optional[FloatReference] = None,
     ) -> None:
+        self.reference = reference
         self.names = names
         self.modules = modules
         self.collector = collector
@@ -385,6 +482,8 @@ class Recorder:
 
     # forward
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.reference is not None and self.reference.busy:
+            return  # inside a float32 re-run: not part of the AMP pass
         try:
             name = self.names.get(id(module), "?")
             number = self.counts.get(name, 0)
@@ -399,6 +498,8 @@ class Recorder:
             parent = self.stack[-1] if self.stack else None
             self.calls.append(_OpenCall(index, name, number, type(module).__name__, parent, inputs))
             self.stack.append(index)
+            if self.reference is not None and self.reference.wants(module, name):
+                self.reference.pending[index] = (args, kwargs, self.reference.rng_state())
             self.last_module = name
             if self.zoom_target == (name, number) and self.zoom is None:
                 self.zoom = OpZoom(name, number)
@@ -408,10 +509,15 @@ class Recorder:
             self.error = self.error or exc
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.reference is not None and self.reference.busy:
+            return
         try:
             if not self.stack:
                 return
             index = self.stack.pop()
+            if self.reference is not None and index in self.reference.pending:
+                call = self.calls[index]
+                self.reference.compare(module, call.module, call.call, self.reference.pending.pop(index), output)
             if self._zoom_call == index:
                 self.close_zoom()
             call = self.calls[index]
@@ -514,19 +620,25 @@ def run_pass(
     zoom: Optional[tuple[str, int]] = None,
     autocast: bool = True,
     backward_zoom: bool = False,
+    reference: Union[bool, int] = False,
 ) -> tuple[PassTrace, str]:
     """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
 
     ``autocast=False`` runs the same step in float32: the reference for counting underflowed gradients.
     ``backward_zoom`` records each autograd node's forward stack (anomaly mode) and finds the backward op that
-    made the first non-finite gradient.
+    made the first non-finite gradient. ``reference`` (True: leaf modules; an int n: the modules n levels down)
+    compares each chosen call against a float32 re-run of that call alone.
 
     The caller rewinds RNG and buffers before each pass. Gradients are taken with ``torch.autograd.grad`` so no
     ``.grad`` field is touched.
     """
     collector = StatsCollector(spec.dtype, detailed)
     modules = [m for m in spec.root.modules()]
-    recorder = Recorder(spec.names, modules, collector, spec.backward, zoom)
+    float_reference = None
+    if reference is not False:
+        depth = None if reference is True else int(reference)
+        float_reference = FloatReference(collector, depth, spec.device_type)
+    recorder = Recorder(spec.names, modules, collector, spec.backward, zoom, float_reference)
     batch_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(spec.batch, "batch")]
     loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
     backward_ran = False
@@ -563,8 +675,11 @@ def run_pass(
             if spec.backward and loss.requires_grad and inputs:
                 # What GradScaler.scale does: multiply by a 0-d fp32 scale tensor (never call the user's scaler).
                 scaled = loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
-                with back_zoom if back_zoom is not None else contextlib.nullcontext():
-                    torch.autograd.grad(scaled, inputs, allow_unused=True)
+                try:
+                    with back_zoom if back_zoom is not None else contextlib.nullcontext():
+                        torch.autograd.grad(scaled, inputs, allow_unused=True)
+                except Exception as exc:
+                    raise AmpDoctorError(f"the backward raised {type(exc).__name__}: {exc}") from exc
                 backward_ran = True
             del output, loss
     finally:
@@ -578,7 +693,11 @@ def run_pass(
     trace = _build_trace(recorder, stats, scale, detailed, batch_slots, output_slots, loss_slot, backward_ran)
     finding = loss_zoom.finding if loss_zoom is not None else (recorder.zoom.finding if recorder.zoom else None)
     backward_finding = back_zoom.finding if back_zoom is not None else None
-    return dataclasses.replace(trace, op_finding=finding, backward_op_finding=backward_finding), loss_source
+    comparisons = float_reference.records() if float_reference is not None else []
+    trace = dataclasses.replace(
+        trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons
+    )
+    return trace, loss_source
 
 
 @contextlib.contextmanager

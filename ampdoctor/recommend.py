@@ -176,7 +176,8 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
     if window is not None and window.empty and findings.verdict in ("underflow", "healthy"):
         bf16 = _bf16(run)
         if bf16 is not None:
-            recs.append(dataclasses.replace(bf16, title="no loss scale fits float16 for this model: " + bf16.title))
+            title = "no loss scale fits float16 for this model: autocast to bfloat16 where the device supports it"
+            recs.append(dataclasses.replace(bf16, title=title))
         return recs
     if findings.verdict == "underflow" and under is not None:
         bigger = window.max_safe if window is not None and window.max_safe else run.scale * 2.0**8

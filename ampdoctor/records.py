@@ -227,6 +227,23 @@ class OpFinding:
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """One call's low-precision output against the same call re-run in float32 on its own inputs."""
+
+    module: str
+    call: int
+    path: str  # which output
+    relative_error: float  # ||low - ref|| / ||ref||
+    sqnr_db: float  # 10 log10(||ref||^2 / ||low - ref||^2)
+    underflow_count: int  # values nonzero in float32 but zero in the low-precision output
+    reference_nonzero: int
+
+    @property
+    def label(self) -> str:
+        return call_label(self.module, self.call)
+
+
+@dataclass(frozen=True)
 class PassTrace:
     """Everything recorded in one forward (+ backward) pass."""
 
@@ -240,6 +257,7 @@ class PassTrace:
     backward_ran: bool
     op_finding: Optional[OpFinding] = None
     backward_op_finding: Optional[OpFinding] = None
+    comparisons: list[Comparison] = field(default_factory=list)  # diagnose(..., reference=True)
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
@@ -266,6 +284,19 @@ class StepRecord:
     forward_origin: Optional[str] = None  # label of the forward origin call, when the step was captured
     backward_origin: Optional[str] = None
     nonfinite_params: list[str] = field(default_factory=list)
+    new_scale: Optional[float] = None  # the scale after update()
+    micro_batches: int = 0  # training forwards of the root module folded into this step (gradient accumulation)
+    sampled: bool = False  # per-module statistics were taken on this step
+    # Sampled steps: largest finite |x| per module over its low-precision outputs / output gradients (unscaled).
+    out_abs_max: dict[str, float] = field(default_factory=dict)
+    grad_abs_max: dict[str, float] = field(default_factory=dict)
+    nonfinite_outputs: list[str] = field(default_factory=list)  # modules with inf/NaN outputs, completion order
+    nonfinite_grads: list[str] = field(default_factory=list)  # modules with inf/NaN output gradients, backward order
+    local_nonfinite: bool = False  # this rank's own forward or pre-reduction gradients went non-finite
+    captured: bool = False  # a full capture (diagnose of the failing inputs) ran on this step
+    capture_verdict: Optional[str] = None
+    explained_by: Optional[int] = None  # a skipped step not captured itself: the step whose capture explains it
+    run: Optional[str] = None  # in a run of skipped steps: "harmless", "persistent" or "open" (set by report())
 
 
 @dataclass(frozen=True)

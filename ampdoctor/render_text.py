@@ -126,6 +126,24 @@ def render_text(report: Report, max_rows: int = 20) -> str:
         )
         body.append(f"  measured at {probes}")
         lines += _section("Loss-scale window", body)
+    if f.precision is not None:
+        prec = f.precision
+        rows = [
+            [c.label, c.path, fmt_num(c.relative_error), fmt_num(c.sqnr_db), c.underflow_count, c.reference_nonzero]
+            for c in sorted(prec.comparisons, key=lambda c: -c.relative_error)[:max_rows]
+        ]
+        body = [f"  error jumps at {prec.jump}" if prec.jump else "  no call stands out"]
+        if prec.underflow_calls:
+            shown = ", ".join(prec.underflow_calls[:8])
+            body.append(f"  forward underflow (nonzero in float32, zero here) in: {shown}")
+        body.append(
+            tabulate(
+                rows,
+                headers=["call", "tensor", "rel. error", "SQNR dB", "underflowed", "fp32 nonzero"],
+                tablefmt="simple",
+            )
+        )
+        lines += _section("Against a float32 re-run of each call", body)
     if f.underflow is not None:
         u = f.underflow
         body = [

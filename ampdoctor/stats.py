@@ -85,6 +85,8 @@ class StatsCollector:
         self._values: dict[torch.device, dict[str, list[torch.Tensor]]] = {}
         self._positions: dict[torch.device, dict[bool, int]] = {}
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, bool, int]] = {}
+        self._value_groups: list[tuple[torch.device, int, int]] = []
+        self.values: list[list[float]] = []
         self.readbacks = 0
 
     def add(self, tensor: torch.Tensor, detailed: Optional[bool] = None) -> int:
@@ -163,8 +165,21 @@ class StatsCollector:
             cast_flush,
         )
 
+    def add_values(self, values: list[torch.Tensor]) -> int:
+        """Queue a group of 0-d tensors (same device) for the same single readback; see ``values``."""
+        device = values[0].device
+        per_device = self._values.setdefault(device, {})
+        for k, value in enumerate(values):
+            per_device.setdefault(f"x:{k}", []).append(value)
+        position = len(per_device["x:0"]) - 1
+        self._value_groups.append((device, position, len(values)))
+        return len(self._value_groups) - 1
+
     def read(self) -> list[TensorStats]:
-        """Copy every statistic to the host (one transfer per device) and build the records."""
+        """Copy every statistic to the host (one transfer per device) and build the records.
+
+        Groups queued with ``add_values`` are in ``self.values`` afterwards, in the order they were added.
+        """
         host: dict[tuple[torch.device, str], list[float]] = {}
         for device, fields in self._values.items():
             names = list(fields)
@@ -192,6 +207,9 @@ class StatsCollector:
             if slot.detailed:
                 _drop_empty_extremes(values)
             out.append(TensorStats(dtype=slot.dtype, shape=slot.shape, **values))  # type: ignore[arg-type]
+        self.values = [
+            [host[(device, f"x:{k}")][position] for k in range(count)] for device, position, count in self._value_groups
+        ]
         return out
 
     def __len__(self) -> int:
