@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ._version import __version__
+from .cli_checkpoint import add_diagnose_parser, add_scan_parser
 from .errors import AmpDoctorError
 
 if TYPE_CHECKING:
@@ -87,7 +88,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
 # -- main --------------------------------------------------------------------------------------------------
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo_parser]  # type: ignore[type-arg]
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [  # type: ignore[type-arg]
+    add_demo_parser,
+    add_scan_parser,
+    add_diagnose_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

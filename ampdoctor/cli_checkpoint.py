@@ -1,0 +1,440 @@
+"""``ampdoctor scan`` and ``ampdoctor diagnose``: the command line on saved checkpoints.
+
+One parser function and one command function per subcommand (as ``add_demo_parser`` / ``run_demo``). Input
+errors raise :class:`AmpDoctorError` with one line; ``cli.main`` turns that into exit status 2. The checkpoint
+is only read: nothing is written next to it (``-o`` may not name a checkpoint file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from .errors import AmpDoctorError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from .checkpoint import ScanReport
+    from .report import Report
+
+OUTPUT_FORMATS = ("text", "json", "markdown")
+# Random inputs from --input-shape are drawn with this seed, so two runs diagnose the same batch.
+INPUT_SEED = 0
+_SHAPE = re.compile(r"^\d+(x\d+)*$")
+
+
+# -- shared options --------------------------------------------------------------------------------------------
+
+
+def _add_loading_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("loading (always torch.load(weights_only=True))")
+    group.add_argument(
+        "--allow-global",
+        metavar="NAME[,NAME]",
+        action="append",
+        default=[],
+        help="allow this global (e.g. argparse.Namespace) that a refusal named; repeat or separate with commas. "
+        "Only for files you trust",
+    )
+    group.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="last resort: torch.load(weights_only=False), which runs any code the file holds (warns)",
+    )
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    from .cli import add_output_options
+
+    add_output_options(parser, OUTPUT_FORMATS)
+
+
+def _allowed(args: argparse.Namespace) -> list[str]:
+    return [name.strip() for item in args.allow_global for name in item.split(",") if name.strip()]
+
+
+def _warn_unsafe(args: argparse.Namespace) -> None:
+    if args.unsafe_load:
+        print(
+            "ampdoctor: warning: --unsafe-load: torch.load(weights_only=False) runs any code the checkpoint holds; "
+            "use it only on files you trust",
+            file=sys.stderr,
+        )
+
+
+@contextmanager
+def _quiet_unsafe_warning() -> Iterator[None]:
+    """The command has printed its own warning line; the library's UnsafeLoadWarning would repeat it."""
+    from .checkpoint import UnsafeLoadWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsafeLoadWarning)
+        yield
+
+
+def _progress() -> Optional[Callable[[int, int, str], None]]:
+    """Progress on stderr, only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(index: int, total: int, name: str) -> None:
+        end = "\n" if index + 1 == total else ""
+        sys.stderr.write(f"\r\033[Kampdoctor: reading {index + 1}/{total} {name}{end}")
+        sys.stderr.flush()
+
+    return show
+
+
+def _guard_output(output: Optional[str], checkpoint: str) -> None:
+    """Refuse ``-o`` pointing at the checkpoint or into a checkpoint directory (the input is never modified)."""
+    if output is None:
+        return
+    target, source = Path(output).resolve(), Path(checkpoint).resolve()
+    if target == source or (source.is_dir() and source in target.parents):
+        raise AmpDoctorError(
+            f"-o {output}: that is the checkpoint (or inside its directory); ampdoctor never writes there, "
+            "choose another file"
+        )
+
+
+def _one_line(exc: AmpDoctorError) -> AmpDoctorError:
+    """The same error with its message on one line (messages from the user's model may span several)."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    return exc if text == str(exc) else AmpDoctorError(text)
+
+
+# -- scan ------------------------------------------------------------------------------------------------------
+
+
+def add_scan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "scan",
+        help="check a saved checkpoint's tensors, optimizer and GradScaler state (no model code needed)",
+        description="Read a checkpoint and report, per tensor and per module, inf/NaN, values beyond the float16 "
+        "range, nonzero values that flush to zero in float16 and bfloat16, and headroom; Adam moments that are "
+        "non-finite or underflow, eps that is zero in float16, and a GradScaler scale that collapsed. PATH is a "
+        "torch.save'd state dict or training checkpoint, a .safetensors file, or a directory of shards (read "
+        "one file at a time). The checkpoint is only read.",
+        epilog="Exit status: 0 healthy (or warnings only), 1 findings, 2 usage or input error.",
+    )
+    parser.add_argument("path", metavar="PATH", help="checkpoint file or directory of shards")
+    parser.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16"],
+        default="float16",
+        help="the autocast format the verdict is about (default: float16); counts for both are shown",
+    )
+    parser.add_argument("--max-rows", type=int, default=20, metavar="N", help="rows per table (default: 20)")
+    _add_loading_options(parser)
+    _add_output_options(parser)
+    parser.set_defaults(func=run_scan)
+
+
+def render_scan(report: ScanReport, fmt: str, max_rows: int = 20) -> str:
+    if fmt == "json":
+        return report.to_json(indent=2)
+    if fmt == "markdown":
+        return report.to_markdown(max_rows)
+    return report.to_text(max_rows)
+
+
+def run_scan(args: argparse.Namespace) -> int:
+    try:
+        return _run_scan(args)
+    except AmpDoctorError as exc:
+        raise _one_line(exc) from exc
+
+
+def _run_scan(args: argparse.Namespace) -> int:
+    from .checkpoint import scan
+    from .cli import emit
+
+    if args.max_rows < 1:
+        raise AmpDoctorError(f"--max-rows must be at least 1, got {args.max_rows}")
+    _guard_output(args.output, args.path)
+    _warn_unsafe(args)
+    with _quiet_unsafe_warning():
+        report = scan(
+            args.path,
+            dtype=args.dtype,
+            allow_globals=_allowed(args),
+            unsafe_load=args.unsafe_load,
+            progress=_progress(),
+        )
+    emit(render_scan(report, args.format, args.max_rows), args.output)
+    return report.exit_code
+
+
+# -- diagnose --------------------------------------------------------------------------------------------------
+
+
+def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "diagnose",
+        help="load a checkpoint into your model and find where AMP makes the first inf/NaN",
+        description="Build the model with FACTORY, load the checkpoint's weights into it (every key and shape "
+        "must match), run one instrumented autocast step on a batch and print the report: the module whose own "
+        "code first made inf/NaN (forward or backward), headroom, gradient underflow, loss-scale window, "
+        "recommendations. Same report as ampdoctor.diagnose() in Python.",
+        epilog="Example: ampdoctor diagnose ckpt.pt --model mypkg.models:build --model-kwargs '{\"depth\": 12}' "
+        "--input-shape 8x3x224x224. Exit status: 0 healthy (or warnings only), 1 findings, 2 usage or input error.",
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint file or directory of shards")
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="a callable that returns the nn.Module, e.g. mypkg.models:build or torchvision.models:resnet50 "
+        "(the current directory is importable)",
+    )
+    parser.add_argument("--model-kwargs", metavar="JSON", default="{}", help="keyword arguments for FACTORY (JSON)")
+    inputs = parser.add_mutually_exclusive_group(required=True)
+    inputs.add_argument(
+        "--batch",
+        metavar="FILE",
+        help="the model's input: .pt (a tensor -> model(x), a tuple -> model(*x), a dict -> model(**x)), .npy, "
+        ".npz (arr_0, arr_1, ... are positional, other names are keywords)",
+    )
+    inputs.add_argument("--input-shape", metavar="SHAPE", help="random input of this shape, e.g. 8x3x224x224")
+    parser.add_argument(
+        "--input-dtype",
+        default="float32",
+        metavar="DTYPE",
+        help="dtype of the --input-shape tensor (default: float32; integer dtypes draw token ids below the "
+        "model's smallest nn.Embedding size)",
+    )
+    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="autocast dtype")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default: cpu)")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        metavar="S",
+        help="loss scale of the backward (default: the checkpoint's GradScaler scale if it has one, else 65536 "
+        "for float16, 1 for bfloat16)",
+    )
+    _add_loading_options(parser)
+    _add_output_options(parser)
+    parser.set_defaults(func=run_diagnose)
+
+
+def import_factory(spec: str) -> Callable[..., Any]:
+    """``pkg.module:attr.attr`` -> the callable. The current directory is importable, as with ``python -m``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise AmpDoctorError(f"--model {spec!r}: write it as MODULE:FACTORY, e.g. mypkg.models:build")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the user's module raises on import
+        raise AmpDoctorError(
+            f"--model {spec}: cannot import {module_name} ({type(exc).__name__}: {exc}); check the module path "
+            "and that its package is installed or in the current directory"
+        ) from exc
+    try:
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise AmpDoctorError(f"--model {spec}: {module_name} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise AmpDoctorError(f"--model {spec}: {attr} is a {type(obj).__name__}, not a callable that builds a model")
+    return obj  # type: ignore[no-any-return]
+
+
+def build_model(spec: str, kwargs_json: str) -> nn.Module:
+    from torch import nn
+
+    try:
+        kwargs = json.loads(kwargs_json)
+    except json.JSONDecodeError as exc:
+        raise AmpDoctorError(f"--model-kwargs {kwargs_json!r} is not JSON: {exc.msg}") from exc
+    if not isinstance(kwargs, dict):
+        raise AmpDoctorError(f"--model-kwargs must be a JSON object such as '{{\"depth\": 12}}', got {kwargs_json!r}")
+    factory = import_factory(spec)
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:  # the user's factory
+        raise AmpDoctorError(f"--model {spec}: calling it raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise AmpDoctorError(f"--model {spec} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise AmpDoctorError(f"--input-dtype {name!r} is not a torch dtype (e.g. float32, int64)")
+    return value
+
+
+def random_batch(shape_text: str, dtype_name: str, model: nn.Module) -> torch.Tensor:
+    """A seeded random tensor; integer dtypes draw ids below the model's smallest embedding table."""
+    import torch
+    from torch import nn
+
+    text = shape_text.strip().lower()
+    if not _SHAPE.match(text) or any(int(d) == 0 for d in text.split("x")):
+        raise AmpDoctorError(f"--input-shape {shape_text!r}: write positive sizes joined by x, e.g. 8x3x224x224")
+    shape = tuple(int(d) for d in text.split("x"))
+    dtype = _dtype(dtype_name)
+    generator = torch.Generator().manual_seed(INPUT_SEED)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not sizes:
+        raise AmpDoctorError(
+            f"--input-dtype {dtype_name}: no nn.Embedding in the model to take the range of ids from; "
+            "save a real batch with torch.save and pass --batch FILE"
+        )
+    return torch.randint(0, min(sizes), shape, generator=generator, dtype=dtype)
+
+
+def load_batch(path_text: str) -> Any:
+    """A batch from .pt (weights_only), .npy or .npz (no pickles)."""
+    import numpy as np
+    import torch
+
+    path = Path(path_text)
+    if not path.is_file():
+        raise AmpDoctorError(f"--batch {path_text}: no such file")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            return torch.from_numpy(np.load(path, allow_pickle=False))
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                arrays = {k: torch.from_numpy(data[k]) for k in data.files}
+            if arrays and all(re.fullmatch(r"arr_\d+", k) for k in arrays):
+                ordered = [arrays[k] for k in sorted(arrays, key=lambda k: int(k[4:]))]
+                return ordered[0] if len(ordered) == 1 else tuple(ordered)
+            return arrays
+        batch = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # numpy/torch raise many types for a bad file: one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpDoctorError(
+            f"--batch {path_text}: not a readable batch ({type(exc).__name__}: {first}); save a tensor, tuple or "
+            "dict with torch.save (.pt), or an array with numpy.save (.npy) / numpy.savez (.npz)"
+        ) from exc
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, (torch.Tensor, tuple, Mapping)):
+        raise AmpDoctorError(f"--batch {path_text}: holds a {type(batch).__name__}; expected a tensor, tuple or dict")
+    return batch
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple):
+        return tuple(_to_device(b, device) for b in batch)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _device(name: str) -> torch.device:
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise AmpDoctorError("--device cuda: no CUDA device is available here (use --device cpu)")
+    return torch.device(name)
+
+
+def _checkpoint_scale(
+    args: argparse.Namespace, scaler_scale: Optional[float], scaler_path: str
+) -> tuple[Optional[float], str, list[str]]:
+    """The loss scale to diagnose at, where it came from, and notes."""
+    if args.scale is not None:
+        if not (math.isfinite(args.scale) and args.scale > 0):
+            raise AmpDoctorError(f"--scale must be a positive number, got {args.scale:g}")
+        return args.scale, "--scale", []
+    if scaler_scale is None:
+        return None, "", []
+    where = scaler_path or "<root>"
+    if args.dtype != "float16":
+        return None, "", [f"the checkpoint's GradScaler scale ({scaler_scale:g}) was ignored: bfloat16 runs unscaled"]
+    if not (math.isfinite(scaler_scale) and scaler_scale > 0):
+        note = f"the checkpoint's GradScaler scale is {scaler_scale:g} (collapsed): diagnosed at the default scale"
+        return None, "", [note]
+    return scaler_scale, f"the checkpoint's GradScaler state ({where})", []
+
+
+def _cuda_fp32_warning(report: Report) -> list[str]:
+    """Mark an origin op that CUDA autocast runs in float32 when the diagnosis ran on the CPU."""
+    from .checkpoint import CUDA_FP32_OPS
+
+    if report.run.device_type == "cuda":
+        return []
+    out = []
+    for origin in (report.findings.forward_origin, report.findings.backward_origin):
+        if origin is not None and origin.op is not None and origin.op.op in CUDA_FP32_OPS:
+            out.append(
+                f"the {origin.direction} origin op {origin.op.op} runs in float32 under CUDA autocast: this "
+                f"finding comes from CPU autocast and may not happen on CUDA (rerun with --device cuda)"
+            )
+    return out
+
+
+def run_diagnose(args: argparse.Namespace) -> int:
+    try:
+        return _run_diagnose(args)
+    except AmpDoctorError as exc:
+        raise _one_line(exc) from exc
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    import torch
+
+    from .api import diagnose
+    from .checkpoint import load_weights, with_cuda_note
+    from .cli import emit, render
+
+    _guard_output(args.output, args.checkpoint)
+    device = _device(args.device)
+    model = build_model(args.model, args.model_kwargs)
+    _warn_unsafe(args)
+    with _quiet_unsafe_warning():
+        loaded = load_weights(
+            model, args.checkpoint, allow_globals=_allowed(args), unsafe_load=args.unsafe_load, progress=_progress()
+        )
+    batch = load_batch(args.batch) if args.batch else random_batch(args.input_shape, args.input_dtype, model)
+    scale, scale_source, notes = _checkpoint_scale(args, loaded.scaler_scale, loaded.scaler_path)
+    model.to(device)
+    try:
+        report = diagnose(
+            model, _to_device(batch, device), dtype=getattr(torch, args.dtype), device_type=device.type, scale=scale
+        )
+    except AmpDoctorError as exc:
+        if "forward raised" in str(exc):
+            source = f"--batch {args.batch}" if args.batch else f"--input-shape {args.input_shape}"
+            raise AmpDoctorError(f"{exc}; check that {source} fits what the model expects") from exc
+        raise
+    run = report.run
+    run = dataclasses.replace(
+        run,
+        scale_source=scale_source or run.scale_source,
+        notes=with_cuda_note([*run.notes, *notes], loaded.saved_on, device.type),
+    )
+    findings = dataclasses.replace(report.findings, warnings=[*report.findings.warnings, *_cuda_fp32_warning(report)])
+    report = dataclasses.replace(report, run=run, findings=findings)
+    emit(render(report, args.format), args.output)
+    return report.exit_code
