@@ -674,7 +674,8 @@ def run_pass(
             inputs = [p for _, p in spec.params if p.requires_grad]
             if spec.backward and loss.requires_grad and inputs:
                 # What GradScaler.scale does: multiply by a 0-d fp32 scale tensor (never call the user's scaler).
-                scaled = loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
+                # A 0-d CPU tensor works with a tensor on any device and needs no host-to-device copy.
+                scaled = loss * torch.tensor(scale, dtype=torch.float32)
                 try:
                     with back_zoom if back_zoom is not None else contextlib.nullcontext():
                         torch.autograd.grad(scaled, inputs, allow_unused=True)
