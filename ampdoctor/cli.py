@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .report import Report
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
-FORMATS = ("text", "json")
+FORMATS = ("text", "json", "markdown", "html")
 
 
 def add_output_options(parser: argparse.ArgumentParser, formats: Sequence[str] = FORMATS) -> None:

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from .checkpoint import ScanReport
     from .report import Report
 
-OUTPUT_FORMATS = ("text", "json", "markdown")
+OUTPUT_FORMATS = ("text", "json", "markdown")  # scan
+DIAGNOSE_FORMATS = OUTPUT_FORMATS + ("html",)
 # Random inputs from --input-shape are drawn with this seed, so two runs diagnose the same batch.
 INPUT_SEED = 0
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
@@ -56,10 +57,10 @@ def _add_loading_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_output_options(parser: argparse.ArgumentParser) -> None:
+def _add_output_options(parser: argparse.ArgumentParser, formats: tuple[str, ...] = OUTPUT_FORMATS) -> None:
     from .cli import add_output_options
 
-    add_output_options(parser, OUTPUT_FORMATS)
+    add_output_options(parser, formats)
 
 
 def _allowed(args: argparse.Namespace) -> list[str]:
@@ -226,7 +227,7 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
         "for float16, 1 for bfloat16)",
     )
     _add_loading_options(parser)
-    _add_output_options(parser)
+    _add_output_options(parser, DIAGNOSE_FORMATS)
     parser.set_defaults(func=run_diagnose)
 
 

@@ -190,3 +190,16 @@ def test_no_ampdoctor_code_runs_after_diagnose() -> None:
     with pytest.raises(ampdoctor.AmpDoctorError):
         ampdoctor.diagnose(model, tokens.float())  # Embedding needs integer ids: the forward raises
     assert ampdoctor_frames_during(lambda: plain_amp_step(model, tokens)) == []
+
+
+def test_demo_html_and_markdown(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from html.parser import HTMLParser
+
+    page = tmp_path / "r.html"
+    assert main(["demo", "--format", "html", "-o", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and DEMO_ORIGIN in text and "<script" not in text
+    HTMLParser().feed(text)
+    md = tmp_path / "r.md"
+    assert main(["demo", "--format", "markdown", "-o", str(md)]) == 0
+    assert md.read_text().startswith("## ampdoctor: overflow")
