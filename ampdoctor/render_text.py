@@ -97,7 +97,7 @@ def render_text(report: Report, max_rows: int = 20) -> str:
             lines += ["", *describe_origin(origin_, report.trace.scale)]
     if f.propagation:
         shown = ", ".join(f.propagation[:8]) + (" ..." if len(f.propagation) > 8 else "")
-        lines += _section(f"Propagation: {len(f.propagation)} later call(s) carry the bad values", ["  " + shown])
+        lines += _section(f"Propagation: {len(f.propagation)} other call(s) carry the bad values", ["  " + shown])
     if f.scale is not None:
         probes = ", ".join(f"{p.scale:g}:{'ok' if p.gradients_finite else 'inf'}" for p in f.scale.probes)
         body = [f"  gradients non-finite at scale {f.scale.used_scale:g}; re-run at {probes}"]
