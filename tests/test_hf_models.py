@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import ampdoctor_frames_during
 from torch import nn
 
 import ampdoctor
@@ -29,7 +28,6 @@ transformers = pytest.importorskip("transformers")
 FP16_MAX = 65504.0
 MATMUL_OPS = {"aten::bmm", "aten::mm", "aten::addmm", "aten::matmul", "aten::baddbmm", "aten::linear"}
 SEQ = 12
-_AMPDOCTOR_DIR = os.path.dirname(ampdoctor.__file__) + os.sep
 
 
 # -- nothing the user owns may change -------------------------------------------------------------------------
@@ -54,23 +52,6 @@ def _hooks_left(model: nn.Module) -> list[str]:
         if getattr(module_globals, attr, None):
             left.append(f"torch.nn.modules.module.{attr}")
     return left
-
-
-def _ampdoctor_frames_during(fn: Any) -> list[str]:
-    seen: list[str] = []
-
-    def profiler(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(_AMPDOCTOR_DIR):
-            seen.append(frame.f_code.co_name)
-
-    sys.setprofile(profiler)
-    threading.setprofile(profiler)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
-    return seen
 
 
 @contextmanager
@@ -101,7 +82,7 @@ def _untouched(model: nn.Module, batch: dict[str, torch.Tensor]) -> Iterator[Non
             out = model(**batch)
         out.loss.float().backward()
 
-    assert _ampdoctor_frames_during(plain_step) == [], "a later plain AMP step ran ampdoctor code"
+    assert ampdoctor_frames_during(plain_step) == [], "a later plain AMP step ran ampdoctor code"
     model.zero_grad(set_to_none=True)
 
 
