@@ -31,7 +31,7 @@ from tabulate import tabulate
 from ._version import __version__
 from .analysis import headroom_bits
 from .errors import AmpDoctorError
-from .records import FormatLimits, TensorStats, from_plain, to_plain
+from .records import FormatLimits, TensorStats, json_object, load_versioned, to_plain
 from .render_text import describe_bad, fmt_num
 from .thresholds import HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
 
@@ -298,31 +298,11 @@ class ScanReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ScanReport:
-        version = str(data.get("schema_version", ""))
-        try:
-            major = int(version.split(".")[0])
-        except ValueError:
-            raise AmpDoctorError(f"not an ampdoctor scan report: schema_version {version!r}") from None
-        if major > int(SCAN_SCHEMA_VERSION.split(".")[0]):
-            raise AmpDoctorError(
-                f"scan report schema_version {version} is newer than this ampdoctor reads ({SCAN_SCHEMA_VERSION}); "
-                "upgrade ampdoctor (pip install -U ampdoctor)"
-            )
-        try:
-            report: ScanReport = from_plain(cls, data)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise AmpDoctorError(f"malformed ampdoctor scan report: {exc}") from exc
-        return report
+        return load_versioned(cls, data, SCAN_SCHEMA_VERSION, "scan report")
 
     @classmethod
     def from_json(cls, text: str) -> ScanReport:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise AmpDoctorError(f"not JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise AmpDoctorError("not an ampdoctor scan report: expected a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict(json_object(text, "scan report"))
 
     # -- rendering ------------------------------------------------------------------------------------------
     def to_text(self, max_rows: int = 20) -> str:

@@ -369,3 +369,39 @@ def from_plain(tp: Any, data: Any) -> Any:
     if tp is float:
         return float(data)  # float("nan") / float("inf") decode the strings
     return data
+
+
+def load_versioned(cls: type[T], data: dict[str, Any], ours: str, kind: str) -> T:
+    """Rebuild a saved report, refusing a newer major ``schema_version`` (a newer minor only adds fields)."""
+    from .errors import AmpDoctorError
+
+    version = str(data.get("schema_version", ""))
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        raise AmpDoctorError(f"not an ampdoctor {kind}: schema_version {version!r}") from None
+    if major > int(ours.split(".")[0]):
+        raise AmpDoctorError(
+            f"{kind} schema_version {version} is newer than this ampdoctor reads ({ours}); "
+            "upgrade ampdoctor (pip install -U ampdoctor)"
+        )
+    try:
+        loaded: T = from_plain(cls, data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AmpDoctorError(f"malformed ampdoctor {kind}: {exc}") from exc
+    return loaded
+
+
+def json_object(text: str, kind: str) -> dict[str, Any]:
+    """Parse JSON text that must hold one object."""
+    import json
+
+    from .errors import AmpDoctorError
+
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise AmpDoctorError(f"not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise AmpDoctorError(f"not an ampdoctor {kind}: expected a JSON object")
+    return data

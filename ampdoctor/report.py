@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .analysis import Findings, Origin
-from .errors import AmpDoctorError
-from .records import ModuleInfo, PassTrace, RunInfo, StepRecord, from_plain, to_plain
+from .records import ModuleInfo, PassTrace, RunInfo, StepRecord, json_object, load_versioned, to_plain
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
 SCHEMA_VERSION = "1.0"
@@ -81,32 +80,11 @@ class Report:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
-        version = str(data.get("schema_version", ""))
-        try:
-            major = int(version.split(".")[0])
-        except ValueError:
-            raise AmpDoctorError(f"not an ampdoctor report: schema_version {version!r}") from None
-        ours = int(SCHEMA_VERSION.split(".")[0])
-        if major > ours:
-            raise AmpDoctorError(
-                f"report schema_version {version} is newer than this ampdoctor reads ({SCHEMA_VERSION}); "
-                "upgrade ampdoctor (pip install -U ampdoctor)"
-            )
-        try:
-            report: Report = from_plain(cls, data)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise AmpDoctorError(f"malformed ampdoctor report: {exc}") from exc
-        return report
+        return load_versioned(cls, data, SCHEMA_VERSION, "report")
 
     @classmethod
     def from_json(cls, text: str) -> Report:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise AmpDoctorError(f"not JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise AmpDoctorError("not an ampdoctor report: expected a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict(json_object(text, "report"))
 
     # -- rendering ------------------------------------------------------------------------------------------
     def to_text(self, max_rows: int = 20) -> str:
