@@ -93,6 +93,13 @@ def _bf16(run: RunInfo) -> Optional[Recommendation]:
     )
 
 
+def _nonfinite_weights(origin: Optional[Origin], modules: list[ModuleInfo]) -> list[str]:
+    """Parameters of the origin module that already hold inf/NaN."""
+    if origin is None:
+        return []
+    return [p.name for m in modules if m.name == origin.module for p in m.params if not p.stats.is_finite]
+
+
 def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInfo]] = None) -> list[Recommendation]:
     """The remedies that apply to the findings, most direct first (unverified: ``verify`` re-runs them)."""
     modules = modules or []
@@ -118,6 +125,18 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
                 snippet="with torch.autocast(device_type, enabled=False):\n"
                 "    loss = criterion(output.float(), targets)\n"
                 "# e.g. torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) instead of torch.log(p)",
+            )
+        )
+        return recs
+    broken = _nonfinite_weights(fwd or bwd, modules)
+    if broken:
+        recs.append(
+            Recommendation(
+                action="fix_weights",
+                modules=sorted({name.rsplit(".", 1)[0] for name in broken}),
+                title=f"the weights are already non-finite ({', '.join(broken[:5])}): no precision change can fix "
+                "that; restore them from an earlier checkpoint and look for the first step that went bad",
+                snippet="ampdoctor scan checkpoint.pt   # which tensors hold inf/NaN, and since when",
             )
         )
         return recs
