@@ -24,6 +24,7 @@ _LAZY = {
     "fp32_fallback": "fixes",
     "Fp32Fallback": "fixes",
     "tensor_stats": "stats",
+    "scan": "checkpoint",
 }
 
 
@@ -43,5 +44,6 @@ __all__ = [
     "__version__",
     "diagnose",
     "fp32_fallback",
+    "scan",
     "tensor_stats",
 ]
