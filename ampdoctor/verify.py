@@ -13,6 +13,7 @@ from .fixes import Fp32Fallback
 from .recommend import fallback_snippet
 from .records import BATCH, LOSS, ModuleCall, ModuleInfo, PassTrace
 from .report import Cost, Recommendation
+from .thresholds import SCALE_WINDOW_LOSS_SHARE
 
 # How many modules the loop adds before it gives up (each round is one re-run).
 MAX_FALLBACK_ROUNDS = 4
@@ -198,20 +199,30 @@ def verify_recommendations(
                     + ("forward and backward finite" if ok else "still non-finite"),
                 )
             )
-        elif rec.action == "loss_scale" and findings.scale is not None and findings.scale.largest_finite_scale:
-            scale = findings.scale.largest_finite_scale
+        elif rec.action == "loss_scale" and _proposed_scale(findings) is not None:
+            scale = _proposed_scale(findings)
+            assert scale is not None
             trace = ctx.run(scale)
             ok = _healthy(trace)
-            out.append(
-                dataclasses.replace(
-                    rec,
-                    verified=ok,
-                    evidence=f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite"),
-                )
-            )
+            evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
+            window = findings.window
+            probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None
+            if ok and window is not None and probe is not None and probe.lost_share is not None:
+                evidence += f", {probe.lost_share:.2%} of gradient values lost to zero ({window.reference})"
+                ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
+            out.append(dataclasses.replace(rec, verified=ok, evidence=evidence))
         else:
             out.append(rec)
     return sorted(out, key=lambda r: bool(r.evidence) and not r.verified)
+
+
+def _proposed_scale(findings: Findings) -> Optional[float]:
+    """The scale a loss-scale recommendation proposes: the largest finite one measured."""
+    if findings.scale is not None and findings.scale.largest_finite_scale:
+        return findings.scale.largest_finite_scale
+    if findings.window is not None and findings.window.max_safe:
+        return findings.window.max_safe
+    return None
 
 
 def _needs_fix(findings: Findings) -> bool:

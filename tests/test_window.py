@@ -45,6 +45,7 @@ def test_window_from_hand_set_gradient_magnitudes() -> None:
     assert report.verdict == "underflow"
     assert report.recommendations[0].action == "loss_scale"
     assert "init_scale=2048" in report.recommendations[0].snippet
+    assert report.recommendations[0].verified and "0.00% of gradient values lost" in report.recommendations[0].evidence
     assert "Loss-scale window" in str(report)
 
 
