@@ -441,6 +441,7 @@ class Recorder:
         reference: Optional[FloatReference] = None,
     ) -> None:
         self.reference = reference
+        self.in_backward = False
         self.names = names
         self.modules = modules
         self.collector = collector
@@ -482,8 +483,10 @@ class Recorder:
 
     # forward
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.reference is not None and self.reference.busy:
-            return  # inside a float32 re-run: not part of the AMP pass
+        if self.in_backward or (self.reference is not None and self.reference.busy):
+            # Activation checkpointing re-runs forwards during backward; a float32 re-run is ours: neither is
+            # a call of the AMP forward.
+            return
         try:
             name = self.names.get(id(module), "?")
             number = self.counts.get(name, 0)
@@ -509,7 +512,7 @@ class Recorder:
             self.error = self.error or exc
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.reference is not None and self.reference.busy:
+        if self.in_backward or (self.reference is not None and self.reference.busy):
             return
         try:
             if not self.stack:
@@ -676,6 +679,7 @@ def run_pass(
                 # What GradScaler.scale does: multiply by a 0-d fp32 scale tensor (never call the user's scaler).
                 # A 0-d CPU tensor works with a tensor on any device and needs no host-to-device copy.
                 scaled = loss * torch.tensor(scale, dtype=torch.float32)
+                recorder.in_backward = True
                 try:
                     with back_zoom if back_zoom is not None else contextlib.nullcontext():
                         torch.autograd.grad(scaled, inputs, allow_unused=True)

@@ -433,3 +433,29 @@ def test_report_text_mentions_the_essentials() -> None:
     for needle in ("torch " + torch.__version__, "float16 autocast on cpu", "loss scale 65536", "Recommendations"):
         assert needle in text
     assert math.isfinite(65504.0)
+
+
+def test_activation_checkpointing_recompute_is_not_recorded_as_calls() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self, gain: float) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
+            self.blocks.append(nn.Sequential(constant_linear(8, 8, gain), nn.ReLU()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)  # re-runs block's forward during backward
+            return x
+
+    torch.manual_seed(0)
+    report = run(Net(0.01), torch.randn(4, 8), loss_fn=lambda out, _: out.float().mean())
+    assert report.verdict == "healthy"
+    assert [c.label for c in report.trace.calls] == [
+        "<root>", "blocks.0", "blocks.0.0", "blocks.0.1", "blocks.1", "blocks.1.0", "blocks.1.1",
+        "blocks.2", "blocks.2.0", "blocks.2.1",
+    ]
+    assert report.findings.not_captured == []
+    report = run(Net(1e6), torch.ones(4, 8), loss_fn=lambda out, _: out.float().mean())
+    assert report.forward_origin is not None and report.forward_origin.label == "blocks.2.0"
