@@ -5,6 +5,7 @@ No torch here (a test checks it): everything works on a report loaded from JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -399,6 +400,15 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
         if e.call is None:
             continue
         (out_events if e.kind == "output" else in_events)[e.call].append(e)
+    # An input that an earlier call returned has no hook of its own: its gradient is that call's output event.
+    for c in trace.calls:
+        for r in c.inputs:
+            if r.producer is not None:
+                in_events[c.index] += [
+                    dataclasses.replace(e, call=c.index, kind="input", path=r.path)
+                    for e in out_events.get(r.producer, [])
+                    if e.path == r.producer_path
+                ]
     roots = [c for c in trace.calls if c.parent is None]
     for root in roots:
         bad = [e for e in out_events.get(root.index, []) if _bad(e.stats)]

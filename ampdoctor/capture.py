@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import math
 import os
@@ -303,7 +304,7 @@ class _OpenCall:
     call: int
     class_name: str
     parent: Optional[int]
-    inputs: list[tuple[str, int, bool, Optional[int]]]
+    inputs: list[tuple[str, int, bool, Optional[int], str]]
     outputs: list[tuple[str, int, bool]] = field(default_factory=list)
     end_order: int = -1
 
@@ -457,7 +458,7 @@ class Recorder:
         self.last_module: Optional[str] = None
         self._ends = itertools.count()
         self._grad_order = itertools.count()
-        self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
         self._handles: list[Any] = []
 
     # install / remove
@@ -495,8 +496,11 @@ class Recorder:
             inputs = []
             for path, t in itertools.chain(iter_tensors(args, "args"), iter_tensors(kwargs, "kwargs")):
                 slot = self.collector.add(t)
-                inputs.append((path, slot, bool(t.requires_grad), self._producer(t)))
-                if self.record_grads and t.requires_grad and t.is_floating_point():
+                producer, producer_path = self._producer(t)
+                inputs.append((path, slot, bool(t.requires_grad), producer, producer_path))
+                # An input returned by an earlier call already has that call's output hook: the very same
+                # gradient, so analysis reads it from there instead of a second hook.
+                if self.record_grads and t.requires_grad and t.is_floating_point() and producer is None:
                     self._grad_hook(t, "input", index, path)
             parent = self.stack[-1] if self.stack else None
             self.calls.append(_OpenCall(index, name, number, type(module).__name__, parent, inputs))
@@ -527,22 +531,23 @@ class Recorder:
             for path, t in iter_tensors(output, "out"):
                 slot = self.collector.add(t)
                 call.outputs.append((path, slot, bool(t.requires_grad)))
-                self._remember_producer(t, index)
+                self._remember_producer(t, index, path)
                 if self.record_grads and t.requires_grad and t.is_floating_point():
                     self._grad_hook(t, "output", index, path)
             call.end_order = next(self._ends)
         except Exception as exc:
             self.error = self.error or exc
 
-    def _producer(self, t: torch.Tensor) -> Optional[int]:
+    def _producer(self, t: torch.Tensor) -> tuple[Optional[int], str]:
+        """The earlier call that returned this very tensor, and where in its output it sat."""
         seen = self._producers.get(id(t))
         if seen is not None and seen[0]() is t:
-            return seen[1]
-        return None
+            return seen[1], seen[2]
+        return None, ""
 
-    def _remember_producer(self, t: torch.Tensor, index: int) -> None:
+    def _remember_producer(self, t: torch.Tensor, index: int, path: str) -> None:
         try:
-            self._producers[id(t)] = (weakref.ref(t), index)
+            self._producers[id(t)] = (weakref.ref(t), index, path)
         except TypeError:
             pass
 
@@ -646,6 +651,10 @@ def run_pass(
     loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
     backward_ran = False
     back_zoom = BackwardZoom() if backward_zoom else None
+    # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
+    # time (nothing here forms cycles that need it before the pass ends).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     recorder.install(spec.params)
     try:
         with torch.enable_grad(), _anomaly(backward_zoom):
@@ -689,6 +698,8 @@ def run_pass(
             del output, loss
     finally:
         recorder.remove()
+        if gc_was_enabled:
+            gc.enable()
     if recorder.error is not None:
         raise AmpDoctorError(
             f"ampdoctor failed while recording ({type(recorder.error).__name__}: {recorder.error}); "
@@ -735,16 +746,20 @@ def _build_trace(
             class_name=c.class_name,
             parent=c.parent,
             end_order=c.end_order,
-            inputs=[TensorRecord(p, stats[s], rg, prod, s) for p, s, rg, prod in c.inputs],
+            inputs=[TensorRecord(p, stats[s], rg, prod, s, prod_path) for p, s, rg, prod, prod_path in c.inputs],
             outputs=[TensorRecord(p, stats[s], rg, None, s) for p, s, rg in c.outputs],
         )
         for c in recorder.calls
     ]
+    unscaled: dict[int, TensorStats] = {}
+    for g in recorder.grads:  # the same gradient seen by several hooks is divided once
+        if g.slot not in unscaled:
+            unscaled[g.slot] = stats[g.slot].scaled_down(scale)
     events = [
         GradEvent(
             order=g.order,
             kind=g.kind,
-            stats=stats[g.slot].scaled_down(scale),
+            stats=unscaled[g.slot],
             call=g.call,
             path=g.path,
             param=g.param,

@@ -142,6 +142,7 @@ class TensorRecord:
     requires_grad: bool = False
     producer: Optional[int] = None  # index of the earlier call that returned this very tensor
     ref: int = -1  # same ref within a pass: the same tensor object at the same version
+    producer_path: str = ""  # where in the producer's output it sat ("out", "out[0]", ...)
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ class StatsCollector:
     @staticmethod
     def _survey(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         low, high = torch.aminmax(x)  # one pass; NaN and inf show up in the result
-        return low, high, x.numel() - torch.count_nonzero(x)
+        return low, high, torch.count_nonzero(x)  # turned into a zero count in read()
 
     def _detail(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inf = math.inf
@@ -153,7 +153,7 @@ class StatsCollector:
         return (
             low,
             high,
-            x.numel() - torch.count_nonzero(x),
+            torch.count_nonzero(x),  # turned into a zero count in read()
             torch.isnan(x).sum(),
             torch.isposinf(x).sum(),
             torch.isneginf(x).sum(),
@@ -204,6 +204,7 @@ class StatsCollector:
             for name in wanted:
                 value = host[(slot.device, prefix + name)][slot.position]
                 values[name] = int(value) if name in _COUNT_FIELDS else float(value)
+            values["zero_count"] = math.prod(slot.shape) - int(values["zero_count"] or 0)  # stored as nonzero
             if slot.detailed:
                 _drop_empty_extremes(values)
             out.append(TensorStats(dtype=slot.dtype, shape=slot.shape, **values))  # type: ignore[arg-type]
