@@ -25,6 +25,8 @@ _LAZY = {
     "Fp32Fallback": "fixes",
     "tensor_stats": "stats",
     "scan": "checkpoint",
+    "watch": "watch",
+    "replay_bundle": "watch",
 }
 
 
@@ -44,6 +46,8 @@ __all__ = [
     "__version__",
     "diagnose",
     "fp32_fallback",
+    "replay_bundle",
     "scan",
     "tensor_stats",
+    "watch",
 ]

@@ -1,0 +1,213 @@
+"""What ``ampdoctor.watch`` costs next to the same training loop without it, measured in the same run.
+
+For three models (a 4-layer ``nn.TransformerEncoder``, an 8x1024 MLP and a small convnet with BatchNorm) this
+times the classic loop — ``autocast`` forward, loss, ``scaler.scale(loss).backward()``, ``scaler.step(opt)``,
+``scaler.update()`` with AdamW — in three modes:
+
+* **plain**: the loop alone;
+* **watch**: the loop inside ``ampdoctor.watch(model, scaler)`` with its defaults (per step: the loss, the root
+  outputs, the scale and GradScaler's found-inf flags, read back once; per-module statistics every 50 steps);
+* **watch, stats every step**: ``stats_every=1`` (forward hooks on every module and gradient hooks on their
+  outputs at every step).
+
+Modes are interleaved block by block (the order rotated each round) so drift in machine speed hits them alike;
+the table shows the median time per step and the median over rounds of each round's ratio to plain. Warm-up
+steps come first (GradScaler's first skipped steps, and ampdoctor's captures of them, happen there); the table
+says if a measured step was skipped.
+
+CPUs without native float16 arithmetic emulate float16 matmuls slowly, which makes the watch's fixed costs look
+small; ``--compute float32`` runs the same loops with autocast off (much faster steps, the same watch work) as a
+stress test.
+
+    python benchmarks/watch_overhead.py                      # 1 thread, CPU, float16 autocast
+    python benchmarks/watch_overhead.py --compute float32    # the stress test
+    python benchmarks/watch_overhead.py --quick              # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch import nn
+
+import ampdoctor
+
+MODES = ("plain", "watch", "watch_every")
+MODE_TITLES = {"plain": "plain loop", "watch": "watch (defaults)", "watch_every": "watch, stats every step"}
+TARGETS = {"watch": 1.10, "watch_every": 1.30}
+
+
+@dataclass
+class Case:
+    name: str
+    model: nn.Module
+    make_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float(), target)
+
+
+def transformer(large: bool) -> Case:
+    d, seq, batch = (256, 64, 16) if large else (128, 32, 8)
+    layer = nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=4 * d, dropout=0.1, batch_first=True)
+    model = nn.Sequential(nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False), nn.Linear(d, 10))
+    x = torch.randn(batch, seq, d)
+    y = torch.randint(0, 10, (batch, seq))
+
+    def loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.float().flatten(0, 1), t.flatten())
+
+    return Case(f"transformer encoder (4 x d{d}, {batch}x{seq} tokens)", model, lambda: (x, y), loss)
+
+
+def mlp(large: bool) -> Case:
+    width, batch = (1024, 256) if large else (256, 64)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(width, 10))
+    x = torch.randn(batch, width)
+    y = torch.randint(0, 10, (batch,))
+    return Case(f"MLP (8 x {width}, batch {batch})", model, lambda: (x, y), cross_entropy)
+
+
+def convnet(large: bool) -> Case:
+    batch, size = (32, 32) if large else (8, 16)
+
+    def block(c_in: int, c_out: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
+
+    model = nn.Sequential(
+        block(3, 32),
+        block(32, 32),
+        nn.MaxPool2d(2),
+        block(32, 64),
+        block(64, 64),
+        nn.MaxPool2d(2),
+        block(64, 128),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, 10),
+    )
+    x = torch.randn(batch, 3, size, size)
+    y = torch.randint(0, 10, (batch,))
+    return Case(f"convnet (5 conv + BN, {batch}x3x{size}x{size})", model, lambda: (x, y), cross_entropy)
+
+
+def run_block(
+    case: Case, mode: str, scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, steps: int, amp: bool
+) -> tuple[float, int]:
+    """Seconds per step over ``steps`` steps, and how many of them GradScaler skipped."""
+    if mode == "plain":
+        context: Any = contextlib.nullcontext()
+    else:
+        every = 1 if mode == "watch_every" else 50
+        context = ampdoctor.watch(case.model, scaler, stats_every=every, dtype=torch.float16, save_bundle=False)
+    skipped = 0
+    with context:
+        start = time.perf_counter()
+        for _ in range(steps):
+            x, y = case.make_batch()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                out = case.model(x)
+            loss = case.loss(out, y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            before = scaler.get_scale()
+            scaler.update()
+            skipped += scaler.get_scale() < before
+        elapsed = time.perf_counter() - start
+    return elapsed / steps, skipped
+
+
+def measure(case: Case, rounds: int, steps: int, warmup: int, amp: bool) -> dict[str, Any]:
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-5)
+    for mode in MODES:  # warm-up: first skips (and their captures), allocator, lazy imports
+        run_block(case, mode, scaler, opt, warmup, amp)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    skipped = 0
+    for r in range(rounds):
+        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+        for mode in order:
+            per_step, skips = run_block(case, mode, scaler, opt, steps, amp)
+            times[mode].append(per_step)
+            skipped += skips
+    medians = {m: statistics.median(v) for m, v in times.items()}
+    # Each round's blocks ran back to back: their ratio cancels slow drift and load from other processes.
+    ratios = {m: statistics.median(t / p for t, p in zip(times[m], times["plain"])) for m in MODES}
+    return {"model": case.name, "median_s": medians, "ratio": ratios, "skipped_in_measurement": skipped}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = []
+    for res in results:
+        med = res["median_s"]
+        rows.append(
+            [
+                res["model"],
+                f"{med['plain'] * 1e3:.1f}",
+                f"{med['watch'] * 1e3:.1f}",
+                f"{res['ratio']['watch']:.3f}x",
+                f"{med['watch_every'] * 1e3:.1f}",
+                f"{res['ratio']['watch_every']:.3f}x",
+                res["skipped_in_measurement"],
+            ]
+        )
+    headers = ["model", "plain ms/step", "watch ms/step", "ratio", "stats every step ms/step", "ratio", "skipped"]
+    return tabulate(rows, headers=headers, tablefmt="github")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--large", action="store_true", help="larger models (for CPUs with fast float16 matmuls)")
+    parser.add_argument(
+        "--compute",
+        choices=("float16", "float32"),
+        default="float16",
+        help="float32: autocast off, a stress test: CPUs without native float16 emulate its matmuls slowly, "
+        "which hides fixed costs; in float32 the same loop is much faster and the watch's costs show",
+    )
+    parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 3, 2
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    amp = args.compute == "float16"
+    results = [
+        measure(make(args.large), args.rounds, args.steps, args.warmup, amp) for make in (transformer, mlp, convnet)
+    ]
+    print(table(results))
+    print(
+        f"\ntorch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), "
+        + ("float16 autocast" if amp else "float32 (autocast off: stress test)")
+        + f" on CPU, AdamW; medians over {args.rounds} rounds of interleaved blocks of {args.steps} steps; "
+        f"targets: defaults <= {TARGETS['watch']:.2f}x, stats every step <= {TARGETS['watch_every']:.2f}x"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": args.threads, "compute": args.compute, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
