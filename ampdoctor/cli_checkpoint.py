@@ -193,7 +193,12 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
         epilog="Example: ampdoctor diagnose ckpt.pt --model mypkg.models:build --model-kwargs '{\"depth\": 12}' "
         "--input-shape 8x3x224x224. Exit status: 0 healthy (or warnings only), 1 findings, 2 usage or input error.",
     )
-    parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint file or directory of shards")
+    parser.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        help="checkpoint file, directory of shards, or a failure bundle written by ampdoctor.watch (which holds "
+        "its own batch)",
+    )
     parser.add_argument(
         "--model",
         required=True,
@@ -202,7 +207,13 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
         "(the current directory is importable)",
     )
     parser.add_argument("--model-kwargs", metavar="JSON", default="{}", help="keyword arguments for FACTORY (JSON)")
-    inputs = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument(
+        "--loss",
+        metavar="MODULE:FN",
+        help="loss function FN(output, batch) -> scalar (for a bundle: FN(output, targets) when the watch had "
+        "targets); without it: a scalar output, output.loss, or a surrogate",
+    )
+    inputs = parser.add_mutually_exclusive_group()
     inputs.add_argument(
         "--batch",
         metavar="FILE",
@@ -231,27 +242,27 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
     parser.set_defaults(func=run_diagnose)
 
 
-def import_factory(spec: str) -> Callable[..., Any]:
+def import_factory(spec: str, option: str = "--model") -> Callable[..., Any]:
     """``pkg.module:attr.attr`` -> the callable. The current directory is importable, as with ``python -m``."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise AmpDoctorError(f"--model {spec!r}: write it as MODULE:FACTORY, e.g. mypkg.models:build")
+        raise AmpDoctorError(f"{option} {spec!r}: write it as MODULE:NAME, e.g. mypkg.models:build")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or whatever the user's module raises on import
         raise AmpDoctorError(
-            f"--model {spec}: cannot import {module_name} ({type(exc).__name__}: {exc}); check the module path "
+            f"{option} {spec}: cannot import {module_name} ({type(exc).__name__}: {exc}); check the module path "
             "and that its package is installed or in the current directory"
         ) from exc
     try:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AttributeError:
-        raise AmpDoctorError(f"--model {spec}: {module_name} has no attribute {attr!r}") from None
+        raise AmpDoctorError(f"{option} {spec}: {module_name} has no attribute {attr!r}") from None
     if not callable(obj):
-        raise AmpDoctorError(f"--model {spec}: {attr} is a {type(obj).__name__}, not a callable that builds a model")
+        raise AmpDoctorError(f"{option} {spec}: {attr} is a {type(obj).__name__}, not a callable that builds a model")
     return obj  # type: ignore[no-any-return]
 
 
@@ -411,6 +422,11 @@ def _run_diagnose(args: argparse.Namespace) -> int:
 
     _guard_output(args.output, args.checkpoint)
     device = _device(args.device)
+    loss_fn = import_factory(args.loss, "--loss") if args.loss else None
+    if _is_bundle(args.checkpoint):
+        return _replay(args, loss_fn, device)
+    if not args.batch and not args.input_shape:
+        raise AmpDoctorError("give the model's input: --batch FILE or --input-shape SHAPE (a bundle holds its own)")
     model = build_model(args.model, args.model_kwargs)
     _warn_unsafe(args)
     with _quiet_unsafe_warning():
@@ -422,7 +438,12 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     model.to(device)
     try:
         report = diagnose(
-            model, _to_device(batch, device), dtype=getattr(torch, args.dtype), device_type=device.type, scale=scale
+            model,
+            _to_device(batch, device),
+            dtype=getattr(torch, args.dtype),
+            device_type=device.type,
+            scale=scale,
+            loss_fn=loss_fn,
         )
     except AmpDoctorError as exc:
         if "forward raised" in str(exc):
@@ -437,5 +458,25 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     )
     findings = dataclasses.replace(report.findings, warnings=[*report.findings.warnings, *_cuda_fp32_warning(report)])
     report = dataclasses.replace(report, run=run, findings=findings)
+    emit(render(report, args.format), args.output)
+    return report.exit_code
+
+
+def _is_bundle(path_text: str) -> bool:
+    from .watch import is_bundle
+
+    return os.path.isfile(path_text) and is_bundle(path_text)
+
+
+def _replay(args: argparse.Namespace, loss_fn: Optional[Callable[..., Any]], device: torch.device) -> int:
+    """A failure bundle from ``ampdoctor.watch``: its saved batch, state and RNG on a fresh model."""
+    from .cli import emit, render
+    from .watch import replay_bundle
+
+    if args.batch or args.input_shape:
+        raise AmpDoctorError(f"{args.checkpoint} is a failure bundle with its own batch: drop --batch/--input-shape")
+    report = replay_bundle(
+        args.checkpoint, lambda: build_model(args.model, args.model_kwargs), loss_fn, device=device
+    )
     emit(render(report, args.format), args.output)
     return report.exit_code

@@ -556,3 +556,20 @@ def test_hf_trainer_callback() -> None:
     square_steps(plain, None, 3, after_step=lambda: manual.on_step_end(None, None, None))
     manual.on_train_end(None, None, None)
     assert [s.step for s in manual.report.steps] == [0, 1, 2]
+
+
+def test_the_cli_replays_a_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ampdoctor.cli import main
+
+    doctor, _ = run_forward_overflow(tmp_path)
+    path = str(doctor.bundle_path)
+    before = (Path(path).read_bytes(), Path(path).stat().st_mtime_ns)
+    code = main(["diagnose", path, "--model", "test_watch:overflow_model", "--loss", "test_watch:small_loss"])
+    out = capsys.readouterr().out
+    assert code == 1 and out.splitlines()[0] == "ampdoctor: OVERFLOW - forward origin: boom"
+    assert "replayed failure bundle" in out
+    assert (Path(path).read_bytes(), Path(path).stat().st_mtime_ns) == before  # never modified
+    assert main(["diagnose", path, "--model", "test_watch:overflow_model", "--input-shape", "2x16"]) == 2
+    assert "failure bundle with its own batch" in capsys.readouterr().err
+    assert main(["diagnose", path, "--model", "test_watch:overflow_model", "--loss", "test_watch:nope"]) == 2
+    assert "--loss test_watch:nope" in capsys.readouterr().err
