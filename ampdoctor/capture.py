@@ -17,7 +17,7 @@ import re
 import traceback
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -126,19 +126,39 @@ class StateGuard:
 # -- op-level zoom -----------------------------------------------------------------------------------------
 
 
-def _is_internal(filename: str) -> bool:
-    own = filename.startswith(_OWN_DIR) and filename not in _OWN_MODEL_FILES
-    return own or filename.startswith(_TORCH_DIR) or filename.startswith("<")
+def _frame_kind(filename: str) -> str:
+    """"model" (user or library code: a candidate), "skip" (torch, <frozen ...>) or "stop" (ampdoctor itself)."""
+    if filename.startswith(_OWN_DIR) and filename not in _OWN_MODEL_FILES:
+        return "stop"
+    if filename.startswith(_TORCH_DIR) or filename.startswith("<"):
+        return "skip"
+    return "model"
+
+
+def _innermost_model_frame(frames: Iterable[tuple[str, int, str, str]]) -> Optional[SourceLocation]:
+    """Walk (file, line, function, code) frames from the innermost outward; give up at ampdoctor's own frames.
+
+    The innermost ampdoctor frames (the zoom asking) are passed over; an ampdoctor frame further out is the
+    pass that called the model, and past it lies the caller of ``diagnose`` (a training loop), not model
+    code: a model without a Python forward of its own (``nn.Sequential``) has no line to name.
+    """
+    leading = True
+    for filename, line, function, code in frames:
+        kind = _frame_kind(filename)
+        if kind == "stop":
+            if leading:
+                continue
+            return None
+        leading = False
+        if kind == "model":
+            return SourceLocation(filename, line, function, code.strip())
+    return None
 
 
 def user_location() -> Optional[SourceLocation]:
-    """The innermost stack frame outside torch and ampdoctor: the line of the user's (or library's) model code."""
-    for frame in reversed(traceback.extract_stack()):
-        filename = frame.filename
-        if _is_internal(filename):
-            continue
-        return SourceLocation(filename, frame.lineno or 0, frame.name, (frame.line or "").strip())
-    return None
+    """The innermost stack frame of model code (outside torch and ampdoctor) that is running now."""
+    stack = reversed(traceback.extract_stack())
+    return _innermost_model_frame((f.filename, f.lineno or 0, f.name, f.line or "") for f in stack)
 
 
 def _value_flags(t: torch.Tensor) -> tuple[int, int, int]:
@@ -240,15 +260,10 @@ def forward_location(node: Any) -> Optional[SourceLocation]:
     stack = getattr(node, "metadata", {}).get("traceback_") if node is not None else None
     if not stack:
         return None
-    for entry in reversed(list(stack)):
-        match = _FRAME.search(entry)
-        if match is None:
-            continue
-        file = match["file"]
-        if _is_internal(file):
-            continue
-        return SourceLocation(file, int(match["line"]), match["func"].strip(), (match["code"] or "").strip())
-    return None
+    matches = (_FRAME.search(entry) for entry in reversed(list(stack)))
+    return _innermost_model_frame(
+        (m["file"], int(m["line"]), m["func"], m["code"] or "") for m in matches if m is not None
+    )
 
 
 class BackwardZoom(_Zoom):

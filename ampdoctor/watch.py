@@ -61,10 +61,10 @@ from torch import nn
 
 from ._version import __version__
 from .analysis import Findings, NearLimit, Origin, ScaleFinding, ScaleProbe, headroom_bits
-from .capture import _hook_target, iter_tensors, user_location
+from .capture import _hook_target, iter_tensors
 from .errors import AmpDoctorError
 from .fixes import unwrap_model
-from .records import ModuleInfo, PassTrace, RunInfo, SourceLocation, StepRecord, from_plain, to_plain
+from .records import ModuleInfo, PassTrace, RunInfo, StepRecord, from_plain, to_plain
 from .report import Report
 from .stats import dtype_name, format_limits
 from .thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
@@ -791,7 +791,6 @@ class Watch:
 
     def _replay(self, diagnose: Callable[..., Report], m: _MicroBatch, scale: float, step: int) -> Report:
         """``diagnose`` on a kept micro-batch, with the RNG state of its forward; the watch's hooks stay quiet."""
-        call_site = user_location()  # the loop's ``scaler.update()`` line: no model code is there
         batch = as_batch(self.root, m.args, m.kwargs)
         low = self._low or torch.float16
         loss_fn, backward, notes, bad_grad = self._capture_loss(m, scale)
@@ -818,7 +817,6 @@ class Watch:
                 torch.cuda.set_rng_state_all(saved_cuda)
         if bad_grad is not None:
             report = _loss_gradient_origin(report, bad_grad[0], bad_grad[1], scale, low)
-        report = _drop_location(report, call_site)
         run = dataclasses.replace(report.run, scale_source=f"the watched GradScaler at step {step}")
         return _add_notes(dataclasses.replace(report, run=run), notes)
 
@@ -990,27 +988,6 @@ def output_grad_loss(grads: Mapping[str, torch.Tensor], scale: float, value: Opt
         return total + (value if value is not None else 0.0)
 
     return loss
-
-
-def _drop_location(report: Report, call_site: Optional[SourceLocation]) -> Report:
-    """A source line that is the loop's ``scaler.update()`` call (model code without Python frames of its own,
-    such as ``nn.Sequential``) says nothing about the model: leave it out."""
-    if call_site is None:
-        return report
-
-    def clean(origin: Optional[Origin]) -> Optional[Origin]:
-        op = origin.op if origin is not None else None
-        loc = op.location if op is not None else None
-        if origin is None or op is None or loc is None or (loc.file, loc.line) != (call_site.file, call_site.line):
-            return origin
-        return dataclasses.replace(origin, op=dataclasses.replace(op, location=None))
-
-    findings = dataclasses.replace(
-        report.findings,
-        forward_origin=clean(report.findings.forward_origin),
-        backward_origin=clean(report.findings.backward_origin),
-    )
-    return dataclasses.replace(report, findings=findings)
 
 
 def _loss_gradient_origin(report: Report, path: str, grad: torch.Tensor, scale: float, low: torch.dtype) -> Report:

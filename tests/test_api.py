@@ -53,6 +53,7 @@ def test_origin_in_a_leaf_linear() -> None:
     assert origin.bad.posinf_count == 2 * 16  # every output: 80000 rounds to +inf
     assert origin.input_abs_max == 1.0
     assert origin.op is not None and origin.op.op in ("aten::addmm", "aten::mm")
+    assert origin.op.location is None  # nn.Sequential/nn.Linear have no user line; never the caller's line
     assert report.findings.propagation == ["post", "<root>"]
     # verified: boom in float32 hands 80000 to post, whose float16 input cast overflows next: both are needed
     assert report.recommendations[0].action == "fp32_fallback"
