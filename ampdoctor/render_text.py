@@ -182,9 +182,38 @@ def render_text(report: Report, max_rows: int = 20) -> str:
             )
         rec_lines += ["       " + line for line in rec.snippet.splitlines()]
     lines += _section("Recommendations", rec_lines)
-    lines += _section("Layers by headroom", [_headroom_table(report, max_rows)])
+    lines += _section("Training steps", _steps(report, max_rows))
+    if report.trace.calls:
+        lines += _section("Layers by headroom", [_headroom_table(report, max_rows)])
     lines += _section("Notes", ["  " + n for n in [run.autocast_note, *run.notes] if n])
     return "\n".join(lines)
+
+
+def _steps(report: Report, max_rows: int) -> list[str]:
+    """For ``ampdoctor.watch`` reports: the scale history and every skipped step with its explanation."""
+    steps = report.steps
+    if not steps:
+        return []
+    skipped = [s for s in steps if s.skipped]
+    scales = [steps[0].scale] + [s.scale for a, s in zip(steps, steps[1:]) if s.scale != a.scale]
+    history = " -> ".join(f"{v:g}" for v in scales[:12]) + (" ..." if len(scales) > 12 else "")
+    body = [f"  {len(steps)} step(s) recorded, {len(skipped)} skipped; scale {history}"]
+    rows = [
+        [
+            s.step,
+            s.rank,
+            f"{s.scale:g}",
+            s.run or "-",
+            "finite" if s.forward_finite else "non-finite",
+            s.forward_origin or "-",
+            s.backward_origin or "-",
+        ]
+        for s in skipped[:max_rows]
+    ]
+    if rows:
+        headers = ["skipped step", "rank", "scale", "run", "forward", "forward origin", "backward origin"]
+        body.append(tabulate(rows, headers=headers, tablefmt="simple"))
+    return body
 
 
 def _headroom_table(report: Report, max_rows: int) -> str:
