@@ -8,7 +8,7 @@ PyTorch Lightning::
     doctor_cb = lightning_callback(stats_every=100)
     trainer = lightning.Trainer(precision="16-mixed", callbacks=[doctor_cb])
     trainer.fit(model)
-    print(doctor_cb.report)
+    doctor_cb.report  # the Report, once training ended
 
 Hugging Face ``Trainer``::
 
@@ -16,7 +16,7 @@ Hugging Face ``Trainer``::
     trainer = transformers.Trainer(model=model, args=TrainingArguments(..., fp16=True), ...)
     doctor_cb = hf_callback(trainer)             # adds itself to the trainer
     trainer.train()
-    print(doctor_cb.report)
+    doctor_cb.report  # the Report, once training ended
 
 Both find the framework's ``GradScaler`` (``scaler.update`` then closes each step). Without one (bfloat16) they
 close a step after each optimizer step themselves.
