@@ -18,8 +18,8 @@ How it works (ARCHITECTURE.md §1-§3):
   GradScaler's own found-inf flags. They stay on the device and are read back once per step, in ``update``,
   which already synchronises through ``scaler.step``.
 * **Sampled** (every ``stats_every`` steps): forward hooks on every module and tensor hooks on what they return
-  (abs max and non-finite flags of outputs and output gradients; hooks on a view's base, never
-  ``register_full_backward_hook``). The hooks are installed only for sampled steps.
+  (abs max and non-finite flags of outputs and output gradients; hooks on a view's base, never a
+  module-level backward hook). The hooks are installed only for sampled steps.
 * **A skipped step is never left unexplained by sampling**: the first skipped step of every run of skipped
   steps, and the step where a run turns persistent, get a full ``ampdoctor.diagnose`` on the inputs of the
   failing forward, with the RNG state of that forward (the parameters are those of the failing forward: a
