@@ -203,3 +203,38 @@ def test_bfloat16_remedy_is_verified_by_a_bf16_rerun() -> None:
     report = diagnose(TwoOrigins(), torch.ones(2, 8), loss_fn=lambda out, _: out.float().mean())
     bf16 = next(r for r in report.recommendations if r.action == "bf16")
     assert bf16.verified and "bfloat16" in bf16.evidence
+
+
+# -- bfloat16: the same zooms where its (float32-like) range is exceeded ------------------------------------
+
+
+class WideMatmul(nn.Module):
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.q = constant_linear(16, 16, gain / 16)  # x = 1 -> q = k = gain per unit
+        self.k = constant_linear(16, 16, gain / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-2, -1)  # 16 * gain**2
+        return scores.softmax(-1)
+
+
+def test_bfloat16_forward_zoom() -> None:
+    # 16 * (1e19)**2 = 1.6e39 > 3.39e38, the bfloat16 max; q and k themselves (1e19) fit.
+    report = diagnose(nn.Sequential(WideMatmul(1e19)), torch.ones(1, 4, 16), dtype=torch.bfloat16)
+    origin = report.forward_origin
+    assert report.verdict == "overflow" and origin is not None and origin.module == "0"
+    assert origin.op is not None and origin.op.op == "aten::bmm" and origin.op.input_dtypes == ["bfloat16"] * 2
+    assert origin.op.location is not None and "self.q(x) @ self.k(x)" in origin.op.location.code
+    assert report.run.scale == 1.0 and report.run.limits.dtype == "bfloat16"
+
+
+def test_bfloat16_backward_zoom() -> None:
+    model = WhereExp()
+    with torch.no_grad():
+        model.lin.weight.fill_(25.0)  # h = 100; exp(100) = 2.7e43: inf in bfloat16 (and float32)
+    report = diagnose(model, torch.ones(2, 4), loss_fn=lambda out, _: out.float().mean(), dtype=torch.bfloat16)
+    origin = report.backward_origin
+    assert report.forward_origin is None and origin is not None and origin.op is not None
+    assert origin.op.node == "ExpBackward0" and origin.op.op == "aten::mul.Tensor"
+    assert origin.op.location is not None and origin.op.location.code.startswith("safe = torch.where(")
