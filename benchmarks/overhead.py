@@ -299,6 +299,11 @@ class Steps:
         elif mode == "duo":
             assert self.duo_model is not None
             plain_step(self.duo_model, case.batch, case.loss_fn)
+        elif mode == "reference":  # a survey pass with diagnose(reference=True): each leaf re-run in float32
+            run_pass(self.spec, SCALE, detailed=False, reference=True)
+        elif mode == "fp32":  # what the users who need AMP cannot afford: the whole step in float32
+            case.model.zero_grad(set_to_none=True)
+            case.loss_fn(case.model(case.batch), case.batch).backward()
         else:
             raise ValueError(mode)
 
@@ -563,6 +568,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--diagnose-warmup", type=int, default=1, help="untimed diagnose calls first (default 1)")
     parser.add_argument("--mem-steps", type=int, default=2, help="steps measured for peak memory (default 2)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak memory subprocesses")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also measure a survey pass with diagnose(reference=True) (each leaf call re-run in float32) and a "
+        "whole float32 step, time and peak memory",
+    )
     parser.add_argument("--models", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     parser.add_argument(
         "--batch-div",
@@ -614,6 +625,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device(args.device)
     modes = ["plain", "survey"] + (["diagnose"] if args.diagnose_repeats > 0 else [])
     modes += ["duo"] if have_transformers() else []
+    modes += ["reference", "fp32"] if args.reference else []
     started = time.perf_counter()
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
@@ -726,6 +738,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             "parentheses the count torch.cuda.set_sync_debug_mode('warn') reports (it sees only the Python "
             "thread, not syncs inside gradient hooks run by autograd's device threads). ampdoctor's design: one "
             "per survey pass."
+        )
+    if args.reference:
+        print("\n### Per-call float32 reference (`diagnose(..., reference=True)`)\n")
+        print(
+            "| model | survey + reference × | float32 step × | peak mem MiB plain | survey + reference "
+            "| float32 step |"
+        )
+        print("|---|---|---|---|---|---|")
+        for case, times, mem, *_ in rows:
+            plain_mem = mem.get("plain")
+            print(
+                f"| {case.name} | {_fmt_ratio(_ratio(times, 'reference'))} | {_fmt_ratio(_ratio(times, 'fp32'))} | "
+                f"{_fmt_mib(plain_mem)} | {_fmt_mib(mem.get('reference'), plain_mem)} | "
+                f"{_fmt_mib(mem.get('fp32'), plain_mem)} |"
+            )
+        print(
+            "\nThe reference re-runs one call at a time in float32 under no_grad and drops both outputs after "
+            "comparing: its peak should stay near one AMP step, below a whole float32 step."
         )
     print("\nSpread (min..max of the timed steps, median overhead over plain in ms, wall-clock median):")
     print("\n".join(details))
