@@ -49,6 +49,7 @@ class Origin:
     input_abs_max: Optional[float]  # largest finite input (forward) or incoming gradient (backward) magnitude
     op: Optional[OpFinding] = None
     exact: bool = True  # False when the rule could not place it and the first non-finite call is named instead
+    event_order: Optional[int] = None  # backward: ``order`` of the gradient event that proves it
 
     @property
     def label(self) -> str:
@@ -413,7 +414,10 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
     for root in roots:
         bad = [e for e in out_events.get(root.index, []) if _bad(e.stats)]
         if bad:  # the very first gradient reaching the model is already non-finite
-            return Origin("backward", LOSS, 0, "loss", bad[0].path, bad[0].stats, None, trace.backward_op_finding)
+            return Origin(
+                "backward", LOSS, 0, "loss", bad[0].path, bad[0].stats, None, trace.backward_op_finding,
+                event_order=bad[0].order,
+            )
     params = _attribute_params(trace, _param_owners(modules))
     attributable = _attributable_inputs(trace)
     children = _children(trace.calls)
@@ -435,12 +439,26 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
         c, e = by_index[index], first_bad[index]
         incoming = max((x.stats.abs_max or 0.0 for x in out_events[index]), default=None)
         where = f"grad:{e.param}" if e.kind == "param" else f"grad:{e.path}"
-        return Origin("backward", c.module, c.call, c.class_name, where, e.stats, incoming, trace.backward_op_finding)
+        return Origin(
+            "backward", c.module, c.call, c.class_name, where, e.stats, incoming, trace.backward_op_finding,
+            event_order=e.order,
+        )
     first = next(e for e in events if _bad(e.stats))
     owner = _param_owners(modules).get(first.param or "", "")
     found = by_index.get(first.call) if first.call is not None else None
     module, number, cls = (found.module, found.call, found.class_name) if found else (owner, 0, "")
-    return Origin("backward", module, number, cls, f"grad:{first.param or first.path}", first.stats, None, exact=False)
+    return Origin(
+        "backward", module, number, cls, f"grad:{first.param or first.path}", first.stats, None, exact=False,
+        event_order=first.order,
+    )
+
+
+def origin_event(trace: PassTrace, origin: Optional[Origin]) -> Optional[GradEvent]:
+    """The recorded gradient event that a backward origin names (an input gradient read from the producer's
+    output hook is that output event)."""
+    if origin is None or origin.direction != "backward" or origin.event_order is None:
+        return None
+    return next((e for e in trace.grad_events if e.order == origin.event_order), None)
 
 
 # -- headroom, underflow, scale ----------------------------------------------------------------------------

@@ -19,9 +19,8 @@ import math
 from typing import TYPE_CHECKING, Any, Optional
 
 from ._optional import require
-from .analysis import Origin, headroom_bits
+from .analysis import Origin, headroom_bits, origin_event
 from .records import FormatLimits, TensorStats
-from .render_html import origin_event
 
 if TYPE_CHECKING:
     from .report import Report

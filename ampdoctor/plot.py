@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from ._optional import require
-from .analysis import Origin
+from .analysis import Origin, origin_event
 from .records import BATCH, LOSS, FormatLimits, TensorStats
-from .render_html import origin_event
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

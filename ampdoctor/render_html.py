@@ -16,7 +16,7 @@ from html import escape
 from importlib import resources
 from typing import TYPE_CHECKING, Optional
 
-from .analysis import Origin, forward_creators, headroom_bits, is_mask
+from .analysis import Origin, forward_creators, headroom_bits, is_mask, origin_event
 from .records import BATCH, LOSS, FormatLimits, GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats
 from .render_text import describe_bad, describe_origin, fmt_num, render_text
 from .thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
@@ -493,30 +493,6 @@ def _event_where(e: GradEvent, trace: PassTrace) -> str:
     if e.call is not None and 0 <= e.call < len(trace.calls):
         return trace.calls[e.call].label
     return e.param or "?"
-
-
-def origin_event(trace: PassTrace, origin: Optional[Origin]) -> Optional[GradEvent]:
-    """The gradient event that the backward origin names: the first non-finite one its call made.
-
-    A call makes the gradients w.r.t. its inputs, its parameters' gradients and its children's output gradients;
-    for an origin outside the model it is the first non-finite gradient reaching the model's root call.
-    """
-    if origin is None or origin.direction != "backward":
-        return None
-    bad = [e for e in sorted(trace.grad_events, key=lambda e: e.order) if e.stats.measured and not e.stats.is_finite]
-    if origin.module == LOSS:
-        roots = {c.index for c in trace.calls if c.parent is None}
-        return next((e for e in bad if e.kind == "output" and e.call in roots), bad[0] if bad else None)
-    own = {c.index for c in trace.calls if (c.module, c.call) == (origin.module, origin.call)}
-    children = {c.index for c in trace.calls if c.parent in own}
-    for e in bad:
-        if e.kind == "param" and origin.tensor == f"grad:{e.param}":
-            return e
-        if e.kind == "input" and e.call in own and origin.tensor == f"grad:{e.path}":
-            return e
-        if e.kind == "output" and e.call in children and origin.tensor == f"grad:{e.path}":
-            return e
-    return None
 
 
 def backward_rows(report: Report) -> list[Row]:

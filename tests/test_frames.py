@@ -73,7 +73,9 @@ def test_origin_flag_marks_the_origin_tensor() -> None:
     assert origin["headroom_bits"].iloc[0] == -math.inf and origin["nan_count"].iloc[0] == 896
     backward = to_dataframe(backward_report())
     origin = backward[backward.origin]
-    assert origin[["kind", "label", "tensor"]].values.tolist() == [["grad_input", "1", "grad:args[0]"]]
+    # call 1's input gradient is recorded once, on call 0's output (the same tensor): that row is marked
+    assert origin[["kind", "label", "tensor"]].values.tolist() == [["grad_output", "0", "grad:out"]]
+    assert backward_report().backward_origin.tensor == "grad:args[0]"  # type: ignore[union-attr]
 
 
 def test_gradients_held_are_scaled() -> None:
