@@ -102,6 +102,9 @@ class StateGuard:
         self.py_rng = random.getstate()
         self.np_rng = np.random.get_state()
         self.buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        # Which buffer names each module had (None entries included): a forward that fills a lazy cache
+        # (register_buffer("cache", None), then set in forward) or adds a buffer is undone too.
+        self.buffer_names = [(m, dict(m._buffers)) for m in model.modules()]
         for module in model.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:
@@ -114,6 +117,12 @@ class StateGuard:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         random.setstate(self.py_rng)
         np.random.set_state(self.np_rng)
+        for module, before in self.buffer_names:
+            for name in [n for n in module._buffers if n not in before]:
+                del module._buffers[name]
+            for name, value in before.items():
+                if value is None:
+                    module._buffers[name] = None
         with torch.no_grad():
             for module, name, original, saved in self.buffers:
                 if module._buffers.get(name) is not original:  # a forward that re-assigned the buffer
@@ -569,6 +578,9 @@ class Recorder:
     # backward
     def _grad_hook(self, t: torch.Tensor, kind: str, index: int, path: str) -> None:
         target, view = _hook_target(t)
+        # Plain values only: the closure must not keep activations alive (it lives on the autograd graph).
+        target_shape = target.shape
+        via_base = target is not t
 
         def hook(grad: torch.Tensor) -> None:
             try:
@@ -576,11 +588,10 @@ class Recorder:
                 if view is not None and grad.is_contiguous() and grad.shape == target_shape:
                     g = grad.as_strided(view[0], view[1], grad.storage_offset() + view[2])
                 slot = self.collector.add(g)
-                self.grads.append(_GradSeen(next(self._grad_order), kind, slot, index, path, None, target is not t))
+                self.grads.append(_GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base))
             except Exception as exc:
                 self.error = self.error or exc
 
-        target_shape = target.shape  # a shape, not the tensor: the closure must not keep activations alive
         self._handles.append(target.register_hook(hook))
 
     def _param_hook(self, name: str) -> Callable[[torch.Tensor], None]:

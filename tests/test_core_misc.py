@@ -203,3 +203,44 @@ def test_demo_html_and_markdown(tmp_path) -> None:  # type: ignore[no-untyped-de
     md = tmp_path / "r.md"
     assert main(["demo", "--format", "markdown", "-o", str(md)]) == 0
     assert md.read_text().startswith("## ampdoctor: overflow")
+
+
+def test_the_gradient_hooks_keep_no_activation_alive_during_the_pass() -> None:
+    import weakref
+
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2.0 + 1.0  # a result autograd does not save: freed at once in a plain step
+
+    model = nn.Sequential(nn.Linear(8, 8), Scale(), Scale(), Scale())
+    refs: list[weakref.ref[torch.Tensor]] = []
+    for m in list(model)[1:3]:
+        m.register_forward_hook(lambda mod, i, o: refs.append(weakref.ref(o)))
+    alive: list[int] = []
+
+    def loss_fn(out: torch.Tensor, _batch: torch.Tensor) -> torch.Tensor:
+        alive.append(sum(r() is not None for r in refs))
+        return out.float().mean()
+
+    spec = _spec(model, torch.randn(4, 8))
+    spec.loss_fn = loss_fn
+    run_pass(spec, 1.0, detailed=False)
+    assert alive == [0]  # the outputs of the first two Scale calls are gone before the backward
+
+
+def test_lazy_buffers_filled_in_forward_are_undone() -> None:
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("cache", None)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.cache is None:
+                self.cache = torch.ones(4)  # filled lazily, like rotary-embedding caches
+            self.register_buffer("extra", torch.zeros(1))  # and one that did not exist before
+            return self.lin(x) * self.cache
+
+    model = Cached()
+    ampdoctor.diagnose(model, torch.ones(2, 4))
+    assert model.cache is None and "extra" not in model._buffers
