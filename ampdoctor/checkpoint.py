@@ -1160,7 +1160,8 @@ def _normalise_keys(keys: Iterable[str], wanted: set[str]) -> dict[str, str]:
     out = {}
     for key in keys:
         k = key
-        while k.startswith(_WRAPPER_PREFIXES):
+        # A model may own a submodule really called "module": a key it knows is kept as it is.
+        while k not in wanted and k.startswith(_WRAPPER_PREFIXES):
             k = k.split(".", 1)[1]
         out[key] = k
     if not wanted & set(out.values()):
@@ -1210,8 +1211,9 @@ def load_weights(
 
     The state dict is found inside training checkpoints (the nested mapping that matches the model's keys
     best); DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.`` prefixes are dropped. A directory of shards
-    is loaded one file at a time. Raises :class:`AmpDoctorError` naming missing and unexpected keys and shape
-    mismatches. The checkpoint is only read.
+    is loaded one file at a time, twice: the first round only checks keys and shapes, so a checkpoint that does
+    not fit leaves the model untouched. Raises :class:`AmpDoctorError` naming missing and unexpected keys and
+    shape mismatches. The checkpoint is only read.
     """
     import torch
 
@@ -1226,7 +1228,7 @@ def load_weights(
     scaler: Optional[tuple[float, str]] = None
     used: list[str] = []
     refusals: list[CheckpointRefused] = []
-    for index, file in enumerate(files):
+    for index, file in enumerate(files):  # first round: check every file, load nothing
         if progress is not None:
             progress(index, len(files), file.name)
         try:
@@ -1253,9 +1255,6 @@ def load_weights(
             else:
                 fits[key] = value
         seen.update(fits)
-        if not mismatched and not unexpected:
-            with torch.no_grad():
-                model.load_state_dict(fits, strict=False)
         del loaded, part, fits
     if refusals and len(refusals) == len(files):
         raise CheckpointRefused(str(root), list(dict.fromkeys(n for r in refusals for n in r.blocking)))
@@ -1274,6 +1273,13 @@ def load_weights(
             f"the weights in {root} do not fit the model ({type(model).__name__}): {'; '.join(parts)}; "
             "check that --model and --model-kwargs build the model that was trained"
         )
+    for name in used:  # second round: everything fits; load one file at a time
+        loaded = _load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load)
+        part, _ = _best_state_dict(loaded.obj, wanted)
+        del loaded
+        with torch.no_grad():
+            model.load_state_dict(part, strict=False)
+        del part
     return LoadedWeights(
         files=used,
         tensors=len(seen),

@@ -289,8 +289,8 @@ def _dtype(name: str) -> torch.dtype:
     import torch
 
     value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise AmpDoctorError(f"--input-dtype {name!r} is not a torch dtype (e.g. float32, int64)")
+    if not isinstance(value, torch.dtype) or value.is_complex or value.itemsize < 1 or "qint" in str(value):
+        raise AmpDoctorError(f"--input-dtype {name!r} is not a real floating, integer or bool dtype (e.g. int64)")
     return value
 
 
@@ -305,17 +305,25 @@ def random_batch(shape_text: str, dtype_name: str, model: nn.Module) -> torch.Te
     shape = tuple(int(d) for d in text.split("x"))
     dtype = _dtype(dtype_name)
     generator = torch.Generator().manual_seed(INPUT_SEED)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=generator).bool()
-    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    if not sizes:
-        raise AmpDoctorError(
-            f"--input-dtype {dtype_name}: no nn.Embedding in the model to take the range of ids from; "
-            "save a real batch with torch.save and pass --batch FILE"
-        )
-    return torch.randint(0, min(sizes), shape, generator=generator, dtype=dtype)
+    try:
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=generator).to(dtype)
+        if dtype == torch.bool:
+            return torch.randint(0, 2, shape, generator=generator).bool()
+        sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+        if not sizes:
+            raise AmpDoctorError(
+                f"--input-dtype {dtype_name}: no nn.Embedding in the model to take the range of ids from; "
+                "save a real batch with torch.save and pass --batch FILE"
+            )
+        if min(sizes) - 1 > torch.iinfo(dtype).max:
+            raise AmpDoctorError(
+                f"--input-dtype {dtype_name} cannot hold token ids up to {min(sizes) - 1}; use int64"
+            )
+        return torch.randint(0, min(sizes), shape, generator=generator, dtype=dtype)
+    except (RuntimeError, MemoryError) as exc:  # e.g. a shape too large to allocate
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpDoctorError(f"--input-shape {shape_text}: cannot make that input ({first})") from exc
 
 
 def load_batch(path_text: str) -> Any:
@@ -475,6 +483,22 @@ def _replay(args: argparse.Namespace, loss_fn: Optional[Callable[..., Any]], dev
 
     if args.batch or args.input_shape:
         raise AmpDoctorError(f"{args.checkpoint} is a failure bundle with its own batch: drop --batch/--input-shape")
+    ignored = [
+        flag
+        for flag, given in (
+            ("--scale", args.scale is not None),
+            ("--dtype", args.dtype != "float16"),
+            ("--input-dtype", args.input_dtype != "float32"),
+            ("--allow-global", bool(args.allow_global)),
+            ("--unsafe-load", args.unsafe_load),
+        )
+        if given
+    ]
+    if ignored:
+        raise AmpDoctorError(
+            f"{args.checkpoint} is a failure bundle: it replays the step's own scale and dtype and loads safely; "
+            f"drop {', '.join(ignored)}"
+        )
     report = replay_bundle(
         args.checkpoint, lambda: build_model(args.model, args.model_kwargs), loss_fn, device=device
     )

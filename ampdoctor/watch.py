@@ -352,7 +352,8 @@ class Watch:
             else:
                 self.scaler.__dict__.pop(name, None)
         self._patched.clear()
-        self._micro.clear()  # no reference to the user's inputs after the block
+        self._micro.clear()  # no reference to the user's inputs (or targets) after the block
+        self._targets = None
         self._collector = _Collector()
         self._active = False
 

@@ -314,3 +314,45 @@ def test_diagnose_cuda_without_cuda_exits_2(demo_files: dict[str, Path], capsys:
     argv = ["diagnose", str(demo_files["ckpt"]), "--model", DEMO_FACTORY, "--batch", str(demo_files["batch"])]
     assert main([*argv, "--device", "cuda"]) == 2
     assert "no CUDA device" in one_error_line(capsys.readouterr().err)
+
+
+def test_review_fixes_wrapper_names_partial_loads_and_bad_inputs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from torch import nn
+
+    from ampdoctor.checkpoint import load_weights
+
+    class Wrap(nn.Module):  # a real submodule called "module" (EMA wrappers have one)
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.head = nn.Linear(2, 1)
+
+    source = Wrap()
+    torch.save(source.state_dict(), tmp_path / "wrap.pt")
+    target = Wrap()
+    load_weights(target, tmp_path / "wrap.pt")
+    assert torch.equal(target.module.weight, source.module.weight)
+
+    # a sharded checkpoint whose second shard does not fit leaves the model untouched
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save({"0.weight": torch.full((3, 3), 100.0), "0.bias": torch.zeros(3)}, shards / "a.pt")
+    torch.save({"1.weight": torch.zeros(4, 4), "1.bias": torch.zeros(3)}, shards / "b.pt")
+    with pytest.raises(ampdoctor.AmpDoctorError, match="shape mismatch"):
+        load_weights(model, shards)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    # bad --input-dtype / --input-shape: one line, exit 2
+    ckpt = tmp_path / "demo.pt"
+    torch.save(make_demo()[0].state_dict(), ckpt)
+    for extra in (["--input-dtype", "complex64"], ["--input-dtype", "uint8"]):
+        assert main(["diagnose", str(ckpt), "--model", "ampdoctor.demo:DemoTransformer", "--input-shape", "2x8",
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ampdoctor: error: ") and err.count("\n") == 1  # never a traceback
+    assert main(["diagnose", str(ckpt), "--model", "ampdoctor.demo:DemoTransformer", "--input-shape", "2x8",
+                 "--input-dtype", "complex64"]) == 2
+    assert "--input-dtype 'complex64' is not a real" in capsys.readouterr().err
