@@ -135,6 +135,11 @@ def _detach(obj: Any) -> Any:
     return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, obj)
 
 
+def _weight_versions(model: nn.Module) -> int:
+    """A cheap fingerprint of in-place updates to the parameters (optimizer steps bump ``_version``)."""
+    return sum(p._version for p in model.parameters())
+
+
 def _versions(args: Any, kwargs: Any) -> list[int]:
     return [t._version for _, t in iter_tensors((args, kwargs), "")]
 
@@ -186,6 +191,7 @@ class _MicroBatch:
     loss_value: Optional[float] = None  # after the step's readback
     root_slots: list[int] = field(default_factory=list)  # (lo, hi) pairs: first index of each pair
     own_loss: bool = False  # the output carries its loss (scalar, .loss, ['loss']): diagnose finds it
+    weight_versions: int = 0  # sum of the parameters' in-place versions at the forward: did an optimizer step?
     expected_grads: set[str] = field(default_factory=set)  # output paths whose gradient is kept
     out_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # scaled gradient w.r.t. each output
 
@@ -371,7 +377,9 @@ class Watch:
             self._micro[-1].targets = self._targets
 
     def step(self) -> None:
-        """Close a step by hand, for loops without a GradScaler (bfloat16). With a scaler, ``update`` does it."""
+        """Close a step by hand, for loops without a GradScaler (bfloat16): after the backward, before
+        ``optimizer.step()``, so a capture replays the weights of the failing forward. With a scaler, ``update``
+        does it."""
         self._end_step(None, None, [])
 
     @property
@@ -417,7 +425,7 @@ class Watch:
             kept_args, kept_kwargs = _detach(args), _detach(kwargs) if kwargs else {}
             micro = _MicroBatch(
                 kept_args, kept_kwargs, _versions(kept_args, kept_kwargs), torch.get_rng_state(), cuda_rng,
-                targets=self._targets,
+                targets=self._targets, weight_versions=_weight_versions(module),
             )
             if len(self._micro) >= MAX_MICRO_BATCHES:
                 self._micro.popleft()
@@ -795,6 +803,12 @@ class Watch:
         batch = as_batch(self.root, m.args, m.kwargs)
         low = self._low or torch.float16
         loss_fn, backward, notes, bad_grad = self._capture_loss(m, scale)
+        if _weight_versions(self.root) != m.weight_versions:
+            notes.append(
+                "the weights changed between the failing forward and this capture (the optimizer stepped on the "
+                "non-finite gradients first): the replay ran on the updated weights; close bfloat16 steps with "
+                "doctor.step() before optimizer.step()"
+            )
         if _versions(m.args, m.kwargs) != m.versions:
             notes.append("the batch tensors were modified in place after the forward; the capture replayed their "
                          "current contents")
@@ -1502,7 +1516,8 @@ def watch(
     Args:
         model: the model as trained (a DDP or ``torch.compile`` wrapper is peeled for the names).
         scaler: the loop's ``GradScaler``: each ``scaler.update()`` closes a step. Without one (bfloat16), call
-            ``doctor.step()`` after each optimizer step.
+            ``doctor.step()`` after the backward and before ``optimizer.step()`` (a capture after the optimizer
+            applied non-finite gradients would replay the updated weights; the report says so when it happens).
         loss_fn: ``loss_fn(output, batch)`` (or ``(output, targets)`` after ``doctor.set_targets``) for the
             backward of a capture; without it, a scalar output, ``output.loss`` or a surrogate (as ``diagnose``).
         dtype: the autocast dtype; default: what autocast uses at the first forward.

@@ -573,3 +573,23 @@ def test_the_cli_replays_a_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "failure bundle with its own batch" in capsys.readouterr().err
     assert main(["diagnose", path, "--model", "test_watch:overflow_model", "--loss", "test_watch:nope"]) == 2
     assert "--loss test_watch:nope" in capsys.readouterr().err
+
+
+def test_a_bfloat16_step_closed_after_the_optimizer_says_the_weights_moved(tmp_path: Path) -> None:
+    class Sqrt(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(x)  # NaN from negative inputs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Sqrt(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with ampdoctor.watch(model, None, dtype=torch.bfloat16, bundle_dir=tmp_path, loss_fn=small_loss) as doctor:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().mean()
+        loss.backward()
+        opt.step()  # applies the NaN gradients before the step is closed
+        doctor.step()
+    notes = " ".join(doctor.report().run.notes)
+    assert "the weights changed between the failing forward and this capture" in notes
