@@ -681,8 +681,8 @@ def run_pass(
     # time (nothing here forms cycles that need it before the pass ends).
     gc_was_enabled = gc.isenabled()
     gc.disable()
-    recorder.install(spec.params)
     try:
+        recorder.install(spec.params)
         with torch.enable_grad(), _anomaly(backward_zoom):
             with torch.autocast(spec.device_type, dtype=spec.dtype, enabled=autocast):
                 try:
