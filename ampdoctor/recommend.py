@@ -178,10 +178,12 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
         if bwd.module == LOSS:
             recs.append(
                 Recommendation(
-                    action="loss_scale",
+                    action="fix_loss",
                     modules=[],
-                    title="the gradient reaching the model is already non-finite: the loss or its scale is too large",
-                    snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale=2.0**10)",
+                    title="the gradient reaching the model is already non-finite at scale 1: the loss's gradient "
+                    "does not fit the model's output dtype; reduce it (mean instead of sum) or compute the loss "
+                    "in float32",
+                    snippet="loss = criterion(output.float(), targets)  # reduction='mean'",
                 )
             )
         else:
