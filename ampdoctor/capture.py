@@ -690,9 +690,9 @@ def run_pass(
                 except Exception as exc:
                     where = f" (last module that ran: '{recorder.last_module or '<root>'}'"
                     if recorder.stack:
-                        inner = recorder.calls[recorder.stack[-1]].module or "<root>"
+                        inner = recorder.calls[recorder.stack[-1]].module
                         if inner != recorder.last_module:
-                            where += f", inside '{inner}'"
+                            where += f", inside '{inner or '<root>'}'"
                     where += ")"
                     raise AmpDoctorError(f"the model's forward raised {type(exc).__name__}: {exc}{where}") from exc
                 finally:
