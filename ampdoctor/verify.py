@@ -11,7 +11,7 @@ from torch import nn
 from .analysis import Findings, Origin, backward_origin, forward_origin
 from .fixes import Fp32Fallback
 from .recommend import fallback_snippet
-from .records import BATCH, LOSS, ModuleCall, ModuleInfo, PassTrace
+from .records import BATCH, LOSS, ModuleCall, ModuleInfo, PassTrace, TensorRecord
 from .report import Cost, Recommendation
 from .thresholds import SCALE_WINDOW_LOSS_SHARE
 
@@ -92,16 +92,28 @@ def fallback_cost(trace: PassTrace, modules: list[ModuleInfo], chosen: list[str]
     return Cost(extra_bytes, moved / total if total else 0.0, note)
 
 
-def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> list[str]:
-    """Calls outside the fallback set (and not containing it) whose output dtype changed."""
-    old = {(c.module, c.call): [r.stats.dtype for r in c.outputs] for c in before.calls}
-    changed = []
+def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> tuple[list[str], list[str]]:
+    """Calls outside the fallback set (and not containing it) whose output dtype changed.
+
+    Returns (changed, followed): ``changed`` had the same input dtypes as before, so something switched their
+    autocast off (what verification must rule out); ``followed`` merely got the set's float32 outputs and kept
+    their dtype (norms and activations follow their input under autocast), which is expected.
+    """
+
+    def dtypes(records: list[TensorRecord]) -> list[str]:
+        return [r.stats.dtype for r in records]
+
+    old = {(c.module, c.call): c for c in before.calls}
+    changed: list[str] = []
+    followed: list[str] = []
     for c in after.calls:
         if _within(c.module, chosen) or _is_ancestor(c.module, chosen):
             continue
-        if old.get((c.module, c.call)) != [r.stats.dtype for r in c.outputs]:
-            changed.append(c.label)
-    return changed
+        was = old.get((c.module, c.call))
+        if was is None or dtypes(was.outputs) == dtypes(c.outputs):
+            continue
+        (followed if dtypes(was.inputs) != dtypes(c.inputs) else changed).append(c.label)
+    return changed, followed
 
 
 def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> Recommendation:
@@ -135,7 +147,7 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
         rounds.append(f"with {', '.join(chosen)} in float32 the origin moved to {current.label if current else '?'}")
     if last is None or not _healthy(last):
         return _unverified(origin, chosen, "; ".join(rounds) or "no finite step within the bound")
-    changed = _dtype_changes(ctx.baseline, last, chosen)
+    changed, followed = _dtype_changes(ctx.baseline, last, chosen)
     kept = sum(
         1
         for c in last.calls
@@ -146,6 +158,8 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
         + (" and backward" if last.backward_ran else "")
         + f" finite; {kept} other call(s) still produced {ctx.low_dtype}{scale_note}"
     )
+    if followed:
+        evidence += f"; {len(followed)} call(s) after it ran on its float32 output ({', '.join(followed[:3])})"
     if changed:
         evidence += f"; but {len(changed)} call(s) outside the set changed dtype: {', '.join(changed[:5])}"
     return Recommendation(

@@ -238,3 +238,18 @@ def test_bfloat16_backward_zoom() -> None:
     assert report.forward_origin is None and origin is not None and origin.op is not None
     assert origin.op.node == "ExpBackward0" and origin.op.op == "aten::mul.Tensor"
     assert origin.op.location is not None and origin.op.location.code.startswith("safe = torch.where(")
+
+
+def test_fallback_verified_when_norms_after_it_follow_its_float32_output() -> None:
+    # conv: 3 * 9 * 3000 = 81000 > 65504. In float32 its output feeds BatchNorm and ReLU, which follow their
+    # input dtype under autocast: that is expected, not a module whose autocast was switched off.
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, bias=False)
+    with torch.no_grad():
+        conv.weight.fill_(3000.0)
+    model = nn.Sequential(conv, nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    report = diagnose(model, torch.ones(2, 3, 8, 8), loss_fn=lambda out, _: out.float().mean())
+    assert report.forward_origin is not None and report.forward_origin.module == "0"
+    fallback = next(r for r in report.recommendations if r.action == "fp32_fallback")
+    assert fallback.modules == ["0"] and fallback.verified
+    assert "ran on its float32 output (1, 2)" in fallback.evidence
