@@ -63,6 +63,18 @@ class Runner:
         return list(self._cache.values())
 
 
+def bisect_exponents(holds: int, fails: int, predicate: Callable[[int], bool]) -> tuple[int, int]:
+    """Narrow a monotone predicate known to hold at ``holds`` and fail at ``fails`` (either order) down to two
+    neighbouring exponents; returns (the one where it holds, the one where it fails)."""
+    while abs(holds - fails) > 1:
+        mid = (holds + fails) // 2
+        if predicate(mid):
+            holds = mid
+        else:
+            fails = mid
+    return holds, fails
+
+
 def probe_scales(runner: Runner, survey: PassTrace, modules: list[ModuleInfo]) -> ScaleFinding:
     """Binary search for the largest power-of-two scale >= 1 below the used one with finite gradients."""
     used = survey.scale
@@ -79,13 +91,7 @@ def probe_scales(runner: Runner, survey: PassTrace, modules: list[ModuleInfo]) -
     if not finite_at(0):
         return ScaleFinding(used, probes, None, None, 1.0)
     top = math.ceil(math.log2(used))  # 2**top >= used: known (or assumed) non-finite
-    low, high = 0, top
-    while high - low > 1:
-        mid = (low + high) // 2
-        if finite_at(mid):
-            low = mid
-        else:
-            high = mid
+    low, high = bisect_exponents(0, top, finite_at)
     best = runner(2.0**low)
     reference = "the re-runs at other scales"
     references = [t for t in runner.runs() if t is not best]
@@ -161,13 +167,7 @@ def measure_window(
         if useful(0):
             min_useful = 1.0
         else:
-            bad, good = 0, top
-            while good - bad > 1:
-                mid = (bad + good) // 2
-                if useful(mid):
-                    good = mid
-                else:
-                    bad = mid
+            good, _ = bisect_exponents(top, 0, useful)
             min_useful = 2.0**good
     per_module: dict[str, float] = {}
     for scale in sorted(probes):
