@@ -53,7 +53,7 @@ from torch import nn
 
 import ampdoctor
 import ampdoctor.api as ampdoctor_api
-from ampdoctor.capture import PassSpec, run_pass
+from ampdoctor.capture.passes import PassSpec, run_pass
 
 SCALE = 2.0**16  # torch.amp.GradScaler's default initial scale, the one diagnose uses without a scaler
 DTYPE = torch.float16

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import ampdoctor
 from ampdoctor.demo import demo_loss, make_demo
-from ampdoctor.plot import plot_report
+from ampdoctor.report.plot import plot_report
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "plot.png"
 # Screenshot-sized: the figure is 11 x 7.7 inches, so this gives about 990 x 693 pixels.

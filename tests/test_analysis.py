@@ -16,9 +16,9 @@ from ampdoctor.analysis import (
     classify,
     forward_origin,
     headroom_bits,
-    lost_gradients,
     near_limit,
 )
+from ampdoctor.analysis.underflow import lost_gradients
 from ampdoctor.records import (
     FormatLimits,
     GradEvent,
@@ -280,7 +280,7 @@ def test_analysis_and_report_import_no_torch(tmp_path) -> None:  # type: ignore[
     code = (
         "import sys, json\n"
         "sys.modules['torch'] = None  # any import of torch now fails loudly\n"
-        "import ampdoctor.analysis, ampdoctor.render_text\n"
+        "import ampdoctor.analysis, ampdoctor.report.text\n"
         "from ampdoctor import Report\n"
         f"r = Report.from_json(open({str(path)!r}).read())\n"
         "text = str(r)\n"

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor.checkpoint import ScanReport
-from ampdoctor.cli import main
+from ampdoctor.checkpoint.scan_records import ScanReport
+from ampdoctor.cli.main import main
 from ampdoctor.demo import DEMO_ORIGIN, make_demo
 from ampdoctor.errors import AmpDoctorError
 from ampdoctor.report import Report
@@ -320,7 +320,7 @@ def test_review_fixes_wrapper_names_partial_loads_and_bad_inputs(tmp_path, capsy
     import torch
     from torch import nn
 
-    from ampdoctor.checkpoint import load_weights
+    from ampdoctor.checkpoint.load_weights import load_weights
 
     class Wrap(nn.Module):  # a real submodule called "module" (EMA wrappers have one)
         def __init__(self) -> None:

@@ -10,8 +10,8 @@ from helpers import ampdoctor_frames_during, plain_amp_step, snapshot
 from torch import nn
 
 import ampdoctor
-from ampdoctor.capture import PassSpec, run_pass
-from ampdoctor.cli import main
+from ampdoctor.capture.passes import PassSpec, run_pass
+from ampdoctor.cli.main import main
 from ampdoctor.demo import DEMO_ORIGIN, demo_loss, make_demo
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor.capture import PassSpec, run_pass
+from ampdoctor.capture.passes import PassSpec, run_pass
 from ampdoctor.demo import DEMO_ORIGIN, demo_loss, make_demo
 
 pytestmark = [

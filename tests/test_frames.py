@@ -10,8 +10,8 @@ import pytest
 from notebook_reports import DEMO_ORIGIN, backward_report, healthy_report, long_report, overflow_report
 
 from ampdoctor import AmpDoctorError
-from ampdoctor.frames import COLUMNS, STAT_COLUMNS, to_dataframe
 from ampdoctor.report import Report
+from ampdoctor.report.frames import COLUMNS, STAT_COLUMNS, to_dataframe
 
 
 def expected_counts(report: Report) -> dict[str, int]:

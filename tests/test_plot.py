@@ -13,9 +13,9 @@ from matplotlib.figure import Figure
 from notebook_reports import DEMO_ORIGIN, backward_report, healthy_report, long_report, overflow_report
 
 from ampdoctor import AmpDoctorError
-from ampdoctor.plot import MAX_TICK_LABELS, plot_report
 from ampdoctor.records import FormatLimits
 from ampdoctor.report import Report
+from ampdoctor.report.plot import MAX_TICK_LABELS, plot_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

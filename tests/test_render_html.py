@@ -20,16 +20,16 @@ from notebook_reports import (
     overflow_report,
 )
 
-from ampdoctor.records import StepRecord
-from ampdoctor.render_html import (
+from ampdoctor.records import Cost, Recommendation, StepRecord
+from ampdoctor.report import Report
+from ampdoctor.report.html import (
     COLLAPSE_MIN_RUN,
     FULL_TABLE_ROWS,
     render_html,
     render_html_page,
     stylesheet,
 )
-from ampdoctor.render_text import render_text
-from ampdoctor.report import Cost, Recommendation, Report
+from ampdoctor.report.text import render_text
 
 BADGE = r'<span class="ad-badge (ad-verified|ad-unverified)">'
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}

@@ -18,9 +18,13 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor import checkpoint
-from ampdoctor.checkpoint import CheckpointRefused, ScanReport, UnsafeLoadWarning, load_weights, scan
-from ampdoctor.errors import AmpDoctorError
+from ampdoctor.checkpoint import safe_load, scan_records
+from ampdoctor.checkpoint import scan as scan_module
+from ampdoctor.checkpoint.load_weights import load_weights
+from ampdoctor.checkpoint.safe_load import UnsafeLoadWarning
+from ampdoctor.checkpoint.scan import scan
+from ampdoctor.checkpoint.scan_records import ScanReport
+from ampdoctor.errors import AmpDoctorError, CheckpointRefused
 
 # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -248,11 +252,11 @@ def write_shards(directory: Path, count: int = 3) -> dict[str, torch.Tensor]:
 
 def test_sharded_directory_loads_one_shard_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_shards(tmp_path / "shards")
-    real_load = checkpoint._load_file
+    real_load = safe_load.load_file
     alive: list[weakref.ref[torch.Tensor]] = []
     loaded_names: list[str] = []
 
-    def watched_load(path: Path, *args: Any, **kwargs: Any) -> checkpoint.LoadedFile:
+    def watched_load(path: Path, *args: Any, **kwargs: Any) -> safe_load.LoadedFile:
         # Every tensor of the previous shard must be gone before the next shard is opened.
         assert all(ref() is None for ref in alive), "a previous shard is still in memory"
         loaded = real_load(path, *args, **kwargs)
@@ -260,7 +264,7 @@ def test_sharded_directory_loads_one_shard_at_a_time(tmp_path: Path, monkeypatch
         loaded_names.append(path.name)
         return loaded
 
-    monkeypatch.setattr(checkpoint, "_load_file", watched_load)
+    monkeypatch.setattr(scan_module, "load_file", watched_load)
     report = scan(tmp_path / "shards")
     assert loaded_names == [f"model-0000{i}-of-00003.bin" for i in (1, 2, 3)]
     assert [f.name for f in report.files] == loaded_names and all(f.memory_mapped for f in report.files)
@@ -320,7 +324,7 @@ def test_records_whether_tensors_were_saved_from_cuda(tmp_path: Path, monkeypatc
 def test_json_round_trip_and_schema_version(tmp_path: Path) -> None:
     report = scan(save(training_checkpoint(), tmp_path / "train.pt"))
     data = json.loads(report.to_json())
-    assert data["schema_version"] == checkpoint.SCAN_SCHEMA_VERSION
+    assert data["schema_version"] == scan_records.SCAN_SCHEMA_VERSION
     assert data["verdict"] == "overflow" and data["kind"] == "ampdoctor.scan"
     assert {m["module"] for m in data["modules"]} == {"model.0", "model.2"}
     again = ScanReport.from_json(report.to_json())
@@ -407,7 +411,7 @@ def test_saved_scan_report_renders_without_torch(tmp_path: Path) -> None:
     saved.write_text(scan(save(training_checkpoint(), tmp_path / "train.pt")).to_json())
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any import of torch now fails
-        "from ampdoctor.checkpoint import ScanReport\n"
+        "from ampdoctor.checkpoint.scan_records import ScanReport\n"
         f"print(ScanReport.from_json(open({str(saved)!r}).read()).to_text().splitlines()[0])\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ampdoctor.capture.stats import DETAIL_FIELDS, SURVEY_FIELDS, StatsCollector, format_limits, tensor_stats
 from ampdoctor.records import TensorStats
-from ampdoctor.stats import DETAIL_FIELDS, SURVEY_FIELDS, StatsCollector, format_limits, tensor_stats
 
 INF = math.inf
 NAN = math.nan

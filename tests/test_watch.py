@@ -14,7 +14,9 @@ from helpers import ampdoctor_frames_during
 from torch import nn
 
 import ampdoctor
-from ampdoctor.watch import Watch, is_bundle, load_bundle, replay_bundle, write_atomic
+from ampdoctor.training.bundle import is_bundle, load_bundle, write_atomic
+from ampdoctor.training.replay import replay_bundle
+from ampdoctor.training.runtime import Watch
 
 FP16 = torch.float16
 
@@ -465,13 +467,14 @@ def test_usage_errors() -> None:
         ampdoctor.watch(nn.Linear(2, 2), dtype=torch.float32)
 
 
-def test_watch_is_callable_as_the_module_too() -> None:
-    import ampdoctor.watch as module
+def test_watch_function_survives_importing_the_watch_modules() -> None:
+    # The runtime module has its own name: importing it never rebinds ``ampdoctor.watch`` to a module.
+    import ampdoctor.training.runtime  # noqa: F401
 
-    assert callable(ampdoctor.watch) and callable(module)
-    with module(copy.deepcopy(square_model())) as doctor:
+    assert callable(ampdoctor.watch) and not isinstance(ampdoctor.watch, type(ampdoctor))
+    with ampdoctor.watch(copy.deepcopy(square_model())) as doctor:
         pass
-    assert isinstance(doctor, Watch)
+    assert isinstance(doctor, Watch) and isinstance(doctor, ampdoctor.Watch)
 
 
 # -- framework adapters ------------------------------------------------------------------------------------
@@ -559,7 +562,7 @@ def test_hf_trainer_callback() -> None:
 
 
 def test_the_cli_replays_a_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ampdoctor.cli import main
+    from ampdoctor.cli.main import main
 
     doctor, _ = run_forward_overflow(tmp_path)
     path = str(doctor.bundle_path)

@@ -1,0 +1,168 @@
+"""What analysis finds: origins, near-limit tensors, underflow, loss-scale and precision findings (records)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..records import (
+    BATCH,
+    LOSS,
+    Comparison,
+    OpFinding,
+    TensorStats,
+    call_label,
+)
+from ..thresholds import SCALE_WINDOW_LOSS_SHARE
+
+VERDICTS = ("healthy", "overflow", "nan", "underflow", "scale_overflow")
+
+# Ops whose non-finite result comes from a pole (log(0), 1/0), not from running out of range: "nan" verdict.
+POLE_OPS = frozenset(
+    {"aten::log", "aten::log2", "aten::log10", "aten::reciprocal", "aten::rsqrt", "aten::xlogy", "aten::digamma"}
+)
+
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a non-finite value was first made: a module call, the loss function, or the batch itself."""
+
+    direction: str  # "forward" or "backward"
+    module: str  # qualified name; LOSS or BATCH outside the model
+    call: int
+    class_name: str
+    tensor: str  # path of the first non-finite tensor it made
+    bad: TensorStats  # that tensor's statistics
+    input_abs_max: Optional[float]  # largest finite input (forward) or incoming gradient (backward) magnitude
+    op: Optional[OpFinding] = None
+    exact: bool = True  # False when the rule could not place it and the first non-finite call is named instead
+    event_order: Optional[int] = None  # backward: ``order`` of the gradient event that proves it
+
+    @property
+    def label(self) -> str:
+        return call_label(self.module, self.call) if self.module not in (LOSS, BATCH) else self.module
+
+
+@dataclass(frozen=True)
+class NearLimit:
+    """A tensor within ``HEADROOM_WARN_BITS`` of the format's max (still finite)."""
+
+    module: str
+    call: int
+    tensor: str  # "out", "param:weight", "grad:out" ...
+    abs_max: float
+    headroom_bits: float
+
+    @property
+    def label(self) -> str:
+        return call_label(self.module, self.call)
+
+
+@dataclass(frozen=True)
+class UnderflowSpot:
+    module: str
+    lost: int  # gradient values nonzero in the reference, zero at the used scale
+    reference_nonzero: int
+
+    @property
+    def share(self) -> float:
+        return self.lost / self.reference_nonzero if self.reference_nonzero else 0.0
+
+
+@dataclass(frozen=True)
+class UnderflowFinding:
+    """Parameter-gradient values lost to zero at the used scale, against a reference backward."""
+
+    reference: str  # how the reference was made
+    lost: int
+    reference_nonzero: int
+    spots: list[UnderflowSpot] = field(default_factory=list)
+
+    @property
+    def share(self) -> float:
+        return self.lost / self.reference_nonzero if self.reference_nonzero else 0.0
+
+
+@dataclass(frozen=True)
+class ScaleProbe:
+    scale: float
+    gradients_finite: bool
+
+
+@dataclass(frozen=True)
+class ScaleFinding:
+    """Gradients non-finite at the used scale: at which lower power-of-two scale do they become finite?"""
+
+    used_scale: float
+    probes: list[ScaleProbe]
+    largest_finite_scale: Optional[float]  # None: non-finite even at scale 1
+    lost_share_at_largest: Optional[float]  # share of gradient values lost to zero at that scale
+    # The lowest scale seen non-finite: the backward origin is placed there, where the first gradient to
+    # overflow is alone (at the used scale, the loss gradient itself may already be inf in float16).
+    analysed_scale: Optional[float] = None
+
+    @property
+    def harmless(self) -> bool:
+        return (
+            self.largest_finite_scale is not None
+            and self.lost_share_at_largest is not None
+            and self.lost_share_at_largest < SCALE_WINDOW_LOSS_SHARE
+        )
+
+
+@dataclass(frozen=True)
+class WindowProbe:
+    scale: float
+    gradients_finite: bool
+    lost_share: Optional[float]  # share of reference-nonzero gradient values that are zero at this scale
+
+
+@dataclass(frozen=True)
+class ScaleWindow:
+    """Loss scales that neither overflow (``<= max_safe``) nor lose >= 1 % of gradient values (``>= min_useful``)."""
+
+    current: float
+    max_safe: Optional[float]  # largest power of two with finite gradients (None: not even scale 1)
+    min_useful: Optional[float]  # smallest power of two losing < 1 % (None: none does)
+    probes: list[WindowProbe]
+    module_min_useful: dict[str, float]  # per module with parameters: smallest probed scale losing < 1 %
+    reference: str
+
+    @property
+    def empty(self) -> bool:
+        """float16's range is too narrow for this model: no scale both avoids overflow and keeps gradients."""
+        return self.max_safe is None or self.min_useful is None or self.min_useful > self.max_safe
+
+    @property
+    def contains_current(self) -> bool:
+        return not self.empty and self.min_useful is not None and self.max_safe is not None and (
+            self.min_useful <= self.current <= self.max_safe
+        )
+
+
+@dataclass(frozen=True)
+class PrecisionFinding:
+    """Each compared call against its own float32 re-run (``diagnose(..., reference=True)``)."""
+
+    comparisons: list[Comparison]
+    jump: Optional[str]  # the call whose relative error stands out (>= JUMP_FACTOR x the median), if any
+    underflow_calls: list[str]  # calls with outputs nonzero in float32 but zero in the low precision
+
+
+# A call's relative error "jumps" when it is at least this many times the median over compared calls.
+
+@dataclass(frozen=True)
+class Findings:
+    verdict: str
+    forward_origin: Optional[Origin]
+    backward_origin: Optional[Origin]
+    propagation: list[str]  # labels of calls after the origin with non-finite outputs, in completion order
+    near_limit: list[NearLimit]
+    underflow: Optional[UnderflowFinding]
+    scale: Optional[ScaleFinding]
+    not_captured: list[str]  # calls whose output gradient was expected but never observed
+    warnings: list[str] = field(default_factory=list)
+    window: Optional[ScaleWindow] = None
+    precision: Optional[PrecisionFinding] = None
+

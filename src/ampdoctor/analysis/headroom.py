@@ -1,0 +1,53 @@
+"""Headroom: how many doublings a tensor can take before it overflows the diagnosed format."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Optional
+
+from ..records import (
+    FormatLimits,
+    ModuleInfo,
+    PassTrace,
+    TensorStats,
+)
+from ..thresholds import HEADROOM_WARN_BITS
+from .findings import NearLimit
+
+
+def headroom_bits(abs_max: Optional[float], limits: FormatLimits) -> Optional[float]:
+    """``log2(max / abs_max)``: how many doublings a tensor can take before it overflows the format."""
+    if abs_max is None or not math.isfinite(abs_max):
+        return None
+    if abs_max == 0:
+        return math.inf
+    return math.log2(limits.max / abs_max)
+
+
+
+def near_limit(trace: PassTrace, modules: Iterable[ModuleInfo], limits: FormatLimits) -> list[NearLimit]:
+    """Finite outputs, parameters and (scaled) gradients within HEADROOM_WARN_BITS of the format's max."""
+    found: list[NearLimit] = []
+
+    def check(module: str, call: int, tensor: str, stats: TensorStats, factor: float = 1.0) -> None:
+        if stats.abs_max is None:
+            return
+        bits = headroom_bits(stats.abs_max * factor, limits)
+        if bits is not None and bits < HEADROOM_WARN_BITS:
+            found.append(NearLimit(module, call, tensor, stats.abs_max * factor, bits))
+
+    for c in trace.calls:
+        for r in c.outputs:
+            if r.stats.dtype == limits.dtype:
+                check(c.module, c.call, r.path, r.stats)
+    for info in modules:
+        for p in info.params:
+            check(info.name, 0, "param:" + p.name.rsplit(".", 1)[-1], p.stats)
+    for e in trace.grad_events:
+        if e.kind == "output" and e.call is not None and e.stats.dtype == limits.dtype:
+            c = trace.calls[e.call]
+            check(c.module, c.call, "grad:" + e.path, e.stats, trace.scale)  # what the scaled backward held
+    found.sort(key=lambda n: n.headroom_bits)
+    return found
+

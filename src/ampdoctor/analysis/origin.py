@@ -1,0 +1,288 @@
+"""Where the first non-finite value was made: forward and backward origins, masks, propagation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Optional
+
+from ..records import (
+    BATCH,
+    LOSS,
+    GradEvent,
+    ModuleCall,
+    ModuleInfo,
+    OpFinding,
+    PassTrace,
+    TensorRecord,
+    TensorStats,
+)
+from .findings import POLE_OPS, Origin
+
+
+def _bad(stats: TensorStats) -> bool:
+    return stats.measured and not stats.is_finite
+
+
+# Largest finite value of each floating dtype, by the name records store (analysis imports no torch).
+_DTYPE_MAX = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+}
+
+
+def is_mask(record: TensorRecord) -> bool:
+    """An input whose only non-finite values are ``-inf`` and that no earlier call of the pass produced."""
+    return record.stats.measured and record.stats.only_neginf and record.producer is None
+
+
+def is_fill_mask(record: TensorRecord) -> bool:
+    """A mask by value: ``-inf`` only, or filled with ``finfo.min`` (Hugging Face) and nothing positive.
+
+    Its huge magnitude is a constant, not data: it says nothing about how close the inputs are to overflow.
+    """
+    if is_mask(record):
+        return True
+    stats = record.stats
+    dtype_max = _DTYPE_MAX.get(stats.dtype)
+    return (
+        record.producer is None
+        and dtype_max is not None
+        and stats.min is not None
+        and stats.max is not None
+        and stats.min == -dtype_max
+        and stats.max <= 0
+    )
+
+
+def _inputs_finite(call: ModuleCall) -> bool:
+    return not any(_bad(r.stats) and not is_mask(r) for r in call.inputs)
+
+
+def _first_bad(records: Iterable[TensorRecord]) -> Optional[TensorRecord]:
+    return next((r for r in records if _bad(r.stats)), None)
+
+
+def _max_abs(records: Iterable[TensorRecord]) -> Optional[float]:
+    values = [r.stats.abs_max for r in records if r.stats.abs_max is not None and not is_fill_mask(r)]
+    return max(values) if values else None
+
+
+def _children(calls: list[ModuleCall]) -> dict[int, list[ModuleCall]]:
+    out: dict[int, list[ModuleCall]] = defaultdict(list)
+    for c in calls:
+        if c.parent is not None:
+            out[c.parent].append(c)
+    return out
+
+
+def classify(bad: TensorStats, op: Optional[OpFinding]) -> str:
+    """``overflow`` when an inf was made by running out of range (NaN that follows counts), else ``nan``."""
+    if op is not None:
+        if op.op.split(".")[0] in POLE_OPS:
+            return "nan"
+        return "overflow" if op.output_posinf_count or op.output_neginf_count else "nan"
+    return "overflow" if bad.has_posinf or bad.has_neginf else "nan"
+
+
+# -- forward -----------------------------------------------------------------------------------------------
+
+
+def forward_creators(trace: PassTrace) -> list[ModuleCall]:
+    """Calls whose floating inputs were all finite (masks aside) and some floating output was not."""
+    return [
+        c
+        for c in trace.calls
+        if c.end_order >= 0 and _inputs_finite(c) and any(_bad(r.stats) for r in c.outputs)
+    ]
+
+
+def forward_origin(trace: PassTrace) -> Optional[Origin]:
+    """The first creator call, in completion order, none of whose direct child calls is itself a creator."""
+    bad_batch = [r for r in trace.batch if _bad(r.stats) and not r.stats.only_neginf]
+    if bad_batch:
+        r = bad_batch[0]
+        return Origin("forward", BATCH, 0, "batch", r.path, r.stats, None)
+    creators = forward_creators(trace)
+    creator_ids = {c.index for c in creators}
+    children = _children(trace.calls)
+    op = trace.op_finding
+    for c in sorted(creators, key=lambda c: c.end_order):
+        if any(d.index in creator_ids for d in children.get(c.index, [])):
+            continue
+        bad = _first_bad(c.outputs)
+        assert bad is not None
+        zoom = op if op is not None and (op.module, op.call) == (c.module, c.call) else None
+        return Origin("forward", c.module, c.call, c.class_name, bad.path, bad.stats, _max_abs(c.inputs), zoom)
+    outputs_finite = not any(_bad(r.stats) for r in trace.output)
+    if trace.loss is not None and _bad(trace.loss) and outputs_finite:
+        zoom = op if op is not None and op.module == LOSS else None
+        return Origin("forward", LOSS, 0, "loss", "loss", trace.loss, _max_abs(trace.output), zoom)
+    # Something is non-finite but the rule placed nothing (e.g. the batch's -inf reached an op that made NaN).
+    first = next((c for c in sorted(trace.calls, key=lambda c: c.end_order) if _first_bad(c.outputs)), None)
+    if first is not None:
+        bad = _first_bad(first.outputs)
+        assert bad is not None
+        return Origin(
+            "forward", first.module, first.call, first.class_name, bad.path, bad.stats, _max_abs(first.inputs),
+            exact=False,
+        )
+    return None
+
+
+def propagation(trace: PassTrace, origin: Optional[Origin]) -> list[str]:
+    """Every other call with a non-finite output, in completion order: where the bad value flowed.
+
+    This includes the origin's own children that received the bad value and its ancestors that returned it.
+    """
+    if origin is None:
+        return []
+    own = (origin.module, origin.call)
+    later = [c for c in trace.calls if (c.module, c.call) != own and _first_bad(c.outputs)]
+    return [c.label for c in sorted(later, key=lambda c: c.end_order)]
+
+
+# -- backward ----------------------------------------------------------------------------------------------
+
+
+def param_owners(modules: Iterable[ModuleInfo]) -> dict[str, str]:
+    owners: dict[str, str] = {}
+    for info in modules:
+        for p in info.params:
+            owners.setdefault(p.name, info.name)
+    return owners
+
+
+def _attribute_params(trace: PassTrace, owners: Mapping[str, str]) -> dict[int, list[GradEvent]]:
+    """Give each parameter-gradient event to the call of its owner whose output gradient arrived last before it."""
+    calls_of: dict[str, list[int]] = defaultdict(list)
+    for c in trace.calls:
+        calls_of[c.module].append(c.index)
+    last_out: dict[int, int] = {}
+    for e in trace.grad_events:
+        if e.kind == "output" and e.call is not None:
+            last_out[e.call] = max(last_out.get(e.call, -1), e.order)
+    out: dict[int, list[GradEvent]] = defaultdict(list)
+    for e in trace.grad_events:
+        if e.kind != "param" or e.param is None:
+            continue
+        candidates = calls_of.get(owners.get(e.param, ""), [])
+        if not candidates:
+            continue
+        before = [i for i in candidates if last_out.get(i, math.inf) < e.order]
+        chosen = max(before, key=lambda i: last_out[i]) if before else candidates[0]
+        out[chosen].append(e)
+    return out
+
+
+def _attributable_inputs(trace: PassTrace) -> set[tuple[int, str]]:
+    """Input gradients that belong to one call: its tensor fed no other call except the call's ancestors.
+
+    A tensor hook sees the *sum* of the gradients of all consumers; with two sibling consumers it cannot tell
+    whose contribution was bad, so such inputs are left to the common parent.
+    """
+    ancestors: dict[int, set[int]] = {}
+    by_index = {c.index: c for c in trace.calls}
+    for c in trace.calls:
+        chain, p = set(), c.parent
+        while p is not None:
+            chain.add(p)
+            p = by_index[p].parent
+        ancestors[c.index] = chain
+    consumers: dict[int, list[int]] = defaultdict(list)
+    for c in trace.calls:
+        for r in c.inputs:
+            consumers[r.ref].append(c.index)
+    result = set()
+    for c in trace.calls:
+        for r in c.inputs:
+            others = [i for i in consumers[r.ref] if i != c.index]
+            if all(i in ancestors[c.index] for i in others):
+                result.add((c.index, r.path))
+    return result
+
+
+def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional[Origin]:
+    """The first call, in backward order, whose output gradient was finite while a gradient it made was not."""
+    if not trace.backward_ran or trace.gradients_finite():
+        return None
+    events = sorted(trace.grad_events, key=lambda e: e.order)
+    by_index = {c.index: c for c in trace.calls}
+    out_events: dict[int, list[GradEvent]] = defaultdict(list)
+    in_events: dict[int, list[GradEvent]] = defaultdict(list)
+    for e in events:
+        if e.call is None:
+            continue
+        (out_events if e.kind == "output" else in_events)[e.call].append(e)
+    # An input that an earlier call returned has no hook of its own: its gradient is that call's output event.
+    for c in trace.calls:
+        for r in c.inputs:
+            if r.producer is not None:
+                in_events[c.index] += [
+                    dataclasses.replace(e, call=c.index, kind="input", path=r.path)
+                    for e in out_events.get(r.producer, [])
+                    if e.path == r.producer_path
+                ]
+    roots = [c for c in trace.calls if c.parent is None]
+    for root in roots:
+        bad = [e for e in out_events.get(root.index, []) if _bad(e.stats)]
+        if bad:  # the very first gradient reaching the model is already non-finite
+            return Origin(
+                "backward", LOSS, 0, "loss", bad[0].path, bad[0].stats, None, trace.backward_op_finding,
+                event_order=bad[0].order,
+            )
+    params = _attribute_params(trace, param_owners(modules))
+    attributable = _attributable_inputs(trace)
+    children = _children(trace.calls)
+    first_bad: dict[int, GradEvent] = {}
+    for c in trace.calls:
+        outs = out_events.get(c.index, [])
+        if not outs or any(_bad(e.stats) for e in outs):
+            continue
+        produced = [e for e in in_events.get(c.index, []) if (c.index, e.path) in attributable]
+        produced += params.get(c.index, [])
+        for d in children.get(c.index, []):
+            produced += out_events.get(d.index, [])
+        bad = [e for e in produced if _bad(e.stats)]
+        if bad:
+            first_bad[c.index] = min(bad, key=lambda e: e.order)
+    leaves = [i for i in first_bad if not any(d.index in first_bad for d in children.get(i, []))]
+    if leaves:
+        index = min(leaves, key=lambda i: first_bad[i].order)
+        c, e = by_index[index], first_bad[index]
+        incoming = max((x.stats.abs_max or 0.0 for x in out_events[index]), default=None)
+        where = f"grad:{e.param}" if e.kind == "param" else f"grad:{e.path}"
+        return Origin(
+            "backward", c.module, c.call, c.class_name, where, e.stats, incoming, trace.backward_op_finding,
+            event_order=e.order,
+        )
+    first = next(e for e in events if _bad(e.stats))
+    owner = param_owners(modules).get(first.param or "", "")
+    found = by_index.get(first.call) if first.call is not None else None
+    module, number, cls = (found.module, found.call, found.class_name) if found else (owner, 0, "")
+    return Origin(
+        "backward", module, number, cls, f"grad:{first.param or first.path}", first.stats, None, exact=False,
+        event_order=first.order,
+    )
+
+
+def origin_event(trace: PassTrace, origin: Optional[Origin]) -> Optional[GradEvent]:
+    """The recorded gradient event that a backward origin names (an input gradient read from the producer's
+    output hook is that output event)."""
+    if origin is None or origin.direction != "backward" or origin.event_order is None:
+        return None
+    return next((e for e in trace.grad_events if e.order == origin.event_order), None)
+
+
+
+def not_captured(trace: PassTrace) -> list[str]:
+    """Calls with an output that required grad but whose output gradient was never observed."""
+    if not trace.backward_ran:
+        return []
+    seen = {e.call for e in trace.grad_events if e.kind == "output"}
+    return [c.label for c in trace.calls if any(r.requires_grad for r in c.outputs) and c.index not in seen]
+

@@ -1,0 +1,83 @@
+"""``ampdoctor scan PATH``: check a saved checkpoint's tensors, optimizer and GradScaler state."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from ..errors import AmpDoctorError
+from .common import (
+    add_loading_options,
+    add_output_options,
+    allowed_globals,
+    emit,
+    guard_output,
+    one_line,
+    progress_printer,
+    quiet_unsafe_warning,
+    warn_unsafe,
+)
+
+if TYPE_CHECKING:
+    from ..checkpoint.scan_records import ScanReport
+
+SCAN_FORMATS = ("text", "json", "markdown")
+
+
+def add_scan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "scan",
+        help="check a saved checkpoint's tensors, optimizer and GradScaler state (no model code needed)",
+        description="Read a checkpoint and report, per tensor and per module, inf/NaN, values beyond the float16 "
+        "range, nonzero values that flush to zero in float16 and bfloat16, and headroom; Adam moments that are "
+        "non-finite or underflow, eps that is zero in float16, and a GradScaler scale that collapsed. PATH is a "
+        "torch.save'd state dict or training checkpoint, a .safetensors file, or a directory of shards (read "
+        "one file at a time). The checkpoint is only read.",
+        epilog="Exit status: 0 healthy (or warnings only), 1 findings, 2 usage or input error.",
+    )
+    parser.add_argument("path", metavar="PATH", help="checkpoint file or directory of shards")
+    parser.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16"],
+        default="float16",
+        help="the autocast format the verdict is about (default: float16); counts for both are shown",
+    )
+    parser.add_argument("--max-rows", type=int, default=20, metavar="N", help="rows per table (default: 20)")
+    add_loading_options(parser)
+    add_output_options(parser)
+    parser.set_defaults(func=run_scan)
+
+
+def render_scan(report: ScanReport, fmt: str, max_rows: int = 20) -> str:
+    if fmt == "json":
+        return report.to_json(indent=2)
+    if fmt == "markdown":
+        return report.to_markdown(max_rows)
+    return report.to_text(max_rows)
+
+
+def run_scan(args: argparse.Namespace) -> int:
+    try:
+        return _run_scan(args)
+    except AmpDoctorError as exc:
+        raise one_line(exc) from exc
+
+
+def _run_scan(args: argparse.Namespace) -> int:
+    from ..checkpoint.scan import scan
+
+    if args.max_rows < 1:
+        raise AmpDoctorError(f"--max-rows must be at least 1, got {args.max_rows}")
+    guard_output(args.output, args.path)
+    warn_unsafe(args)
+    with quiet_unsafe_warning():
+        report = scan(
+            args.path,
+            dtype=args.dtype,
+            allow_globals=allowed_globals(args),
+            unsafe_load=args.unsafe_load,
+            progress=progress_printer(),
+        )
+    emit(render_scan(report, args.format, args.max_rows), args.output)
+    return report.exit_code
+

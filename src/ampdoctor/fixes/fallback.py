@@ -1,0 +1,70 @@
+"""Fixes applied to a live model: run named modules in float32 while AMP stays on everywhere else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ..capture.dtypes import model_device_type, upcast
+from ..capture.model import find_module, unwrap_model
+
+
+class Fp32Fallback:
+    """Runs the named modules with autocast disabled and their low-precision floating inputs cast to float32.
+
+    Use as a context manager, or keep the handle and call ``remove()``; either way the modules' ``forward``
+    attributes are put back exactly as they were (an instance attribute is restored, a class method is
+    uncovered again). Parameters and hooks are not touched.
+    """
+
+    def __init__(self, model: nn.Module, modules: Iterable[str]) -> None:
+        root, _ = unwrap_model(model)
+        names = [modules] if isinstance(modules, str) else list(modules)
+        targets = [(name, find_module(root, name)) for name in names]
+        self._saved: list[tuple[nn.Module, bool, Any]] = []
+        self.modules = names
+        for _, module in targets:
+            if any(module is m for m, _, _ in self._saved):
+                continue
+            had_own = "forward" in module.__dict__
+            self._saved.append((module, had_own, module.__dict__.get("forward")))
+            module.forward = self._wrap(module, module.forward)  # type: ignore[method-assign]
+
+    @staticmethod
+    def _wrap(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def fp32_forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(model_device_type(module, (args, kwargs)), enabled=False):
+                return forward(*tree_map(upcast, args), **tree_map(upcast, kwargs))
+
+        fp32_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+        return fp32_forward
+
+    def remove(self) -> None:
+        for module, had_own, original in reversed(self._saved):
+            if had_own:
+                module.forward = original  # type: ignore[method-assign]
+            else:
+                module.__dict__.pop("forward", None)
+        self._saved.clear()
+
+    def __enter__(self) -> Fp32Fallback:
+        return self
+
+    def __exit__(
+        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        self.remove()
+
+
+def fp32_fallback(model: nn.Module, modules: Iterable[str]) -> Fp32Fallback:
+    """Run ``modules`` (names as in the report) in float32; returns a handle with ``.remove()``.
+
+    >>> with ampdoctor.fp32_fallback(model, ["encoder.layers.3.self_attn"]):
+    ...     train_step()
+    """
+    return Fp32Fallback(model, modules)

@@ -1,0 +1,238 @@
+"""Prove recommendations by re-running the step with each fix applied (needs the live model)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Optional
+
+from torch import nn
+
+from ..analysis import Findings, Origin, backward_origin, forward_origin
+from ..capture.dtypes import model_device_type
+from ..records import BATCH, LOSS, Cost, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
+from ..thresholds import SCALE_WINDOW_LOSS_SHARE
+from .fallback import Fp32Fallback
+from .recommend import fallback_snippet
+
+# How many modules the loop adds before it gives up (each round is one re-run).
+MAX_FALLBACK_ROUNDS = 4
+# A fallback set holding more than this share of the model's parameters is not a recommendation.
+MAX_FALLBACK_PARAM_SHARE = 0.5
+# Bytes per element of the low-precision formats (what a float32 copy costs extra per element).
+_EXTRA_BYTES = {"float16": 2, "bfloat16": 2}
+_MATMUL_CLASSES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
+
+RunFn = Callable[[float], PassTrace]
+
+
+@dataclasses.dataclass
+class VerifyContext:
+    """What verification needs from the diagnosis: the live model and ways to re-run its step."""
+
+    root: nn.Module
+    modules: list[ModuleInfo]
+    baseline: PassTrace  # the survey at the used scale, without fixes
+    low_dtype: str
+    run: RunFn  # a survey pass at a scale, same RNG and buffers as the diagnosis
+    run_other_dtype: Optional[RunFn]  # the same in bfloat16 (None when not applicable)
+
+
+def _forward_finite(trace: PassTrace) -> bool:
+    return trace.forward_finite() and all(r.stats.is_finite for c in trace.calls for r in c.outputs if r.stats.measured)
+
+
+def _healthy(trace: PassTrace) -> bool:
+    return _forward_finite(trace) and (not trace.backward_ran or trace.gradients_finite())
+
+
+def _origin_of(trace: PassTrace, modules: list[ModuleInfo]) -> Optional[Origin]:
+    return forward_origin(trace) or backward_origin(trace, modules)
+
+
+def _param_share(name: str, modules: list[ModuleInfo]) -> float:
+    total = sum(p.stats.numel for m in modules for p in m.params)
+    if not total:
+        return 0.0
+    inside = sum(p.stats.numel for m in modules if _within(m.name, [name]) for p in m.params)
+    return inside / total
+
+
+def _within(module: str, chosen: Iterable[str]) -> bool:
+    return any(c == "" or module == c or module.startswith(c + ".") for c in chosen)
+
+
+def _is_ancestor(module: str, chosen: Iterable[str]) -> bool:
+    return any(module == "" or c.startswith(module + ".") for c in chosen if c != module)
+
+
+def fallback_cost(trace: PassTrace, modules: list[ModuleInfo], chosen: list[str], low_dtype: str) -> Cost:
+    """Extra bytes of the chosen calls' outputs in float32, and their share of Linear/Conv FLOPs."""
+    extra = _EXTRA_BYTES.get(low_dtype, 0)
+    extra_bytes = sum(
+        r.stats.numel * extra
+        for c in trace.calls
+        if _within(c.module, chosen)
+        for r in c.outputs
+        if r.stats.dtype == low_dtype
+    )
+    weights = {m.name: next((p for p in m.params if p.name.endswith("weight")), None) for m in modules}
+
+    def flops(c: ModuleCall) -> int:
+        weight = weights.get(c.module)
+        if c.class_name not in _MATMUL_CLASSES or weight is None or not c.outputs:
+            return 0
+        shape = weight.stats.shape
+        per_output = shape[1] if c.class_name.endswith("Linear") else weight.stats.numel // max(shape[0], 1)
+        return 2 * c.outputs[0].stats.numel * per_output
+
+    total = sum(flops(c) for c in trace.calls)
+    moved = sum(flops(c) for c in trace.calls if _within(c.module, chosen))
+    note = "" if moved else "no Linear/Conv inside: the modules' own matmuls are not counted"
+    return Cost(extra_bytes, moved / total if total else 0.0, note)
+
+
+def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> tuple[list[str], list[str]]:
+    """Calls outside the fallback set (and not containing it) whose output dtype changed.
+
+    Returns (changed, followed): ``changed`` had the same input dtypes as before, so something switched their
+    autocast off (what verification must rule out); ``followed`` merely got the set's float32 outputs and kept
+    their dtype (norms and activations follow their input under autocast), which is expected.
+    """
+
+    def dtypes(records: list[TensorRecord]) -> list[str]:
+        return [r.stats.dtype for r in records]
+
+    old = {(c.module, c.call): c for c in before.calls}
+    changed: list[str] = []
+    followed: list[str] = []
+    for c in after.calls:
+        if _within(c.module, chosen) or _is_ancestor(c.module, chosen):
+            continue
+        was = old.get((c.module, c.call))
+        if was is None or dtypes(was.outputs) == dtypes(c.outputs):
+            continue
+        (followed if dtypes(was.inputs) != dtypes(c.inputs) else changed).append(c.label)
+    return changed, followed
+
+
+def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> Recommendation:
+    """Run the origin in float32, re-run; add each new origin; stop when the step is finite or after a bound."""
+    chosen: list[str] = []
+    scale_note = ""
+    current: Optional[Origin] = origin
+    rounds: list[str] = []
+    last: Optional[PassTrace] = None
+    while current is not None and len(chosen) < MAX_FALLBACK_ROUNDS:
+        if current.module in (LOSS, BATCH):
+            done = ", ".join(chosen) or "nothing"
+            why = f"after {done}: the origin is {current.label}, which no float32 fallback of a module can fix"
+            return _unverified(origin, chosen, why)
+        if current.module in chosen:
+            return _unverified(origin, chosen, f"{current.label} stays the origin even in float32")
+        if current.module == "" or _param_share(current.module, ctx.modules) > MAX_FALLBACK_PARAM_SHARE:
+            return _unverified(origin, chosen, f"{current.label} holds most of the model: not a fallback candidate")
+        chosen.append(current.module)
+        with Fp32Fallback(ctx.root, chosen):
+            last = ctx.run(check_scale)
+            if _forward_finite(last) and not _healthy(last) and check_scale > 1:
+                # Gradients that are finite at scale 1 are a loss-scale overflow, which GradScaler handles.
+                at_one = ctx.run(1.0)
+                if _healthy(at_one):
+                    scale_note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
+                    last = at_one
+        if _healthy(last):
+            break
+        current = _origin_of(last, ctx.modules)
+        rounds.append(f"with {', '.join(chosen)} in float32 the origin moved to {current.label if current else '?'}")
+    if last is None or not _healthy(last):
+        return _unverified(origin, chosen, "; ".join(rounds) or "no finite step within the bound")
+    changed, followed = _dtype_changes(ctx.baseline, last, chosen)
+    kept = sum(
+        1
+        for c in last.calls
+        if not _within(c.module, chosen) and any(r.stats.dtype == ctx.low_dtype for r in c.outputs)
+    )
+    evidence = (
+        f"re-ran the step at scale {check_scale:g} with {', '.join(chosen)} in float32: forward"
+        + (" and backward" if last.backward_ran else "")
+        + f" finite; {kept} other call(s) still produced {ctx.low_dtype}{scale_note}"
+    )
+    if followed:
+        evidence += f"; {len(followed)} call(s) after it ran on its float32 output ({', '.join(followed[:3])})"
+    if changed:
+        evidence += f"; but {len(changed)} call(s) outside the set changed dtype: {', '.join(changed[:5])}"
+    return Recommendation(
+        action="fp32_fallback",
+        modules=list(chosen),
+        title=f"run {', '.join(chosen)} in float32; AMP stays on everywhere else",
+        snippet=fallback_snippet(chosen, model_device_type(ctx.root)),
+        verified=not changed,
+        evidence=evidence,
+        cost=fallback_cost(ctx.baseline, ctx.modules, chosen, ctx.low_dtype),
+    )
+
+
+def _unverified(origin: Origin, chosen: list[str], why: str) -> Recommendation:
+    modules = chosen or ([origin.module] if origin.module not in (LOSS, BATCH, "") else [])
+    return Recommendation(
+        action="fp32_fallback",
+        modules=modules,
+        title=f"no float32 fallback set made the step finite: {why}",
+        snippet="# no verified fallback; see the origin and op above",
+        verified=False,
+        evidence=why,
+    )
+
+
+def verify_recommendations(
+    ctx: VerifyContext, findings: Findings, recs: list[Recommendation], check_scale: float
+) -> list[Recommendation]:
+    """Replace each verifiable recommendation by its re-run result. The order of ``recs`` (most direct remedy
+    first) is kept, except that a remedy whose re-run failed moves to the end."""
+    origin = findings.forward_origin or (
+        findings.backward_origin if findings.verdict != "scale_overflow" or _needs_fix(findings) else None
+    )
+    out: list[Recommendation] = []
+    for rec in recs:
+        if rec.action == "fp32_fallback" and origin is not None and rec.modules == [origin.module]:
+            out.append(verify_fallback(ctx, origin, check_scale))
+        elif rec.action == "bf16" and ctx.run_other_dtype is not None:
+            trace = ctx.run_other_dtype(1.0)
+            ok = _healthy(trace)
+            out.append(
+                dataclasses.replace(
+                    rec,
+                    verified=ok,
+                    evidence="re-ran the step in bfloat16 (unscaled): "
+                    + ("forward and backward finite" if ok else "still non-finite"),
+                )
+            )
+        elif rec.action == "loss_scale" and _proposed_scale(findings) is not None:
+            scale = _proposed_scale(findings)
+            assert scale is not None
+            trace = ctx.run(scale)
+            ok = _healthy(trace)
+            evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
+            window = findings.window
+            probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None
+            if ok and window is not None and probe is not None and probe.lost_share is not None:
+                evidence += f", {probe.lost_share:.2%} of gradient values lost to zero ({window.reference})"
+                ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
+            out.append(dataclasses.replace(rec, verified=ok, evidence=evidence))
+        else:
+            out.append(rec)
+    return sorted(out, key=lambda r: bool(r.evidence) and not r.verified)
+
+
+def _proposed_scale(findings: Findings) -> Optional[float]:
+    """The scale a loss-scale recommendation proposes: the largest finite one measured."""
+    if findings.scale is not None and findings.scale.largest_finite_scale:
+        return findings.scale.largest_finite_scale
+    if findings.window is not None and findings.window.max_safe:
+        return findings.window.max_safe
+    return None
+
+
+def _needs_fix(findings: Findings) -> bool:
+    return findings.scale is not None and not findings.scale.harmless

@@ -1,0 +1,338 @@
+"""Typed, frozen records of one instrumented AMP step.
+
+Nothing here imports torch: a saved report can be re-analysed and re-rendered without it.
+Gradient statistics are stored *unscaled* (divided by the loss scale of their pass); counts are unaffected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+# A name for things outside any module: the loss function and the batch.
+LOSS = "<loss>"
+BATCH = "<batch>"
+
+
+@dataclass(frozen=True)
+class FormatLimits:
+    """Limits of the low-precision format under diagnosis (from ``torch.finfo``), with exact rounding edges."""
+
+    dtype: str
+    max: float  # largest finite value (65504 for float16)
+    tiny: float  # smallest normal (2**-14 for float16)
+    smallest_subnormal: float  # 2**-24 for float16
+    overflow_threshold: float  # |x| >= this rounds to inf when cast (65520 for float16)
+    flush_threshold: float  # 0 < |x| <= this rounds to zero when cast (2**-25 for float16)
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics of one tensor.
+
+    ``min``/``max`` are taken over all values, so they are NaN or infinite when the tensor is. Fields that are
+    ``None`` were not measured at this level of detail (the survey pass measures only min, max and zeros).
+    ``finite_min``/``finite_max``/``min_abs_nonzero`` ignore non-finite values. ``subnormal_count`` counts
+    nonzero finite values below the smallest normal of the diagnosed format; ``cast_*`` count what casting to
+    that format would do (0 for tensors already in it).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    min: Optional[float] = None
+    max: Optional[float] = None
+    zero_count: Optional[int] = None
+    nan_count: Optional[int] = None
+    posinf_count: Optional[int] = None
+    neginf_count: Optional[int] = None
+    finite_min: Optional[float] = None
+    finite_max: Optional[float] = None
+    min_abs_nonzero: Optional[float] = None
+    subnormal_count: Optional[int] = None
+    cast_overflow_count: Optional[int] = None
+    cast_flush_count: Optional[int] = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def measured(self) -> bool:
+        """False for non-floating or empty tensors, whose values are not examined."""
+        return self.min is not None
+
+    @property
+    def detailed(self) -> bool:
+        return self.nan_count is not None
+
+    @property
+    def has_nan(self) -> bool:
+        if self.nan_count is not None:
+            return self.nan_count > 0
+        return self.min is not None and (math.isnan(self.min) or math.isnan(self.max or 0.0))
+
+    @property
+    def has_posinf(self) -> bool:
+        if self.posinf_count is not None:
+            return self.posinf_count > 0
+        return self.max == math.inf
+
+    @property
+    def has_neginf(self) -> bool:
+        if self.neginf_count is not None:
+            return self.neginf_count > 0
+        return self.min == -math.inf
+
+    @property
+    def is_finite(self) -> bool:
+        return not (self.has_nan or self.has_posinf or self.has_neginf)
+
+    @property
+    def only_neginf(self) -> bool:
+        """Non-finite, and every non-finite value is ``-inf`` (the signature of an additive mask)."""
+        return self.has_neginf and not self.has_nan and not self.has_posinf
+
+    @property
+    def nonfinite_count(self) -> Optional[int]:
+        if self.nan_count is None or self.posinf_count is None or self.neginf_count is None:
+            return None
+        return self.nan_count + self.posinf_count + self.neginf_count
+
+    @property
+    def abs_max(self) -> Optional[float]:
+        """Largest finite magnitude, or None when unknown (not measured, or non-finite at survey level)."""
+        if self.finite_min is not None and self.finite_max is not None:
+            return max(abs(self.finite_min), abs(self.finite_max))
+        if self.min is None or self.max is None or not self.is_finite:
+            return None
+        return max(abs(self.min), abs(self.max))
+
+    @property
+    def nonzero_count(self) -> Optional[int]:
+        return None if self.zero_count is None else self.numel - self.zero_count
+
+    def scaled_down(self, scale: float) -> TensorStats:
+        """The same statistics divided by a loss scale (exact for powers of two)."""
+        if scale == 1.0:
+            return self
+
+        def div(v: Optional[float]) -> Optional[float]:
+            return None if v is None else v / scale
+
+        return dataclasses.replace(
+            self,
+            min=div(self.min),
+            max=div(self.max),
+            finite_min=div(self.finite_min),
+            finite_max=div(self.finite_max),
+            min_abs_nonzero=div(self.min_abs_nonzero),
+        )
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor seen at a module boundary: where it sits (``path``) and its statistics."""
+
+    path: str  # "args[0]", "kwargs['mask']", "out", "out[0]", "out['logits']", "out.hidden"
+    stats: TensorStats
+    requires_grad: bool = False
+    producer: Optional[int] = None  # index of the earlier call that returned this very tensor
+    ref: int = -1  # same ref within a pass: the same tensor object at the same version
+    producer_path: str = ""  # where in the producer's output it sat ("out", "out[0]", ...)
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    name: str  # fully qualified, as in named_parameters()
+    stats: TensorStats
+    requires_grad: bool = True
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    name: str  # "" is the root
+    class_name: str
+    params: list[ParamRecord] = field(default_factory=list)  # the module's own parameters (recurse=False)
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    index: int  # order of start
+    module: str
+    call: int  # 0, 1, ... for a module called several times
+    class_name: str
+    parent: Optional[int]
+    end_order: int  # order of completion
+    inputs: list[TensorRecord] = field(default_factory=list)
+    outputs: list[TensorRecord] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return call_label(self.module, self.call)
+
+
+def call_label(module: str, call: int) -> str:
+    name = module if module else "<root>"
+    return f"{name}#{call}" if call else name
+
+
+@dataclass(frozen=True)
+class GradEvent:
+    """A gradient seen during backward, in execution order.
+
+    ``kind``: "output" (gradient w.r.t. a call's output), "input" (w.r.t. a call's input) or "param".
+    """
+
+    order: int
+    kind: str
+    stats: TensorStats  # unscaled
+    call: Optional[int] = None
+    path: str = ""
+    param: Optional[str] = None
+    via_base: bool = False  # captured on the view's base tensor (see capture)
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    file: str
+    line: int
+    function: str
+    code: str
+
+
+@dataclass(frozen=True)
+class OpFinding:
+    """The first operation whose output was non-finite while its inputs were not.
+
+    Forward: inside the origin call, ``location`` is the line that ran the op. Backward: ``node`` is the
+    autograd node that ran it (``ExpBackward0``) and ``location`` the forward line that created that node.
+    """
+
+    op: str  # "aten::bmm"
+    module: str
+    call: int
+    input_dtypes: list[str]
+    input_abs_max: list[Optional[float]]
+    output_dtype: str
+    output_nan_count: int
+    output_posinf_count: int
+    output_neginf_count: int
+    location: Optional[SourceLocation] = None
+    direction: str = "forward"
+    node: Optional[str] = None
+    scalar_args: list[float] = field(default_factory=list)  # Python numbers passed to the op (fill constants)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One call's low-precision output against the same call re-run in float32 on its own inputs."""
+
+    module: str
+    call: int
+    path: str  # which output
+    relative_error: float  # ||low - ref|| / ||ref||
+    sqnr_db: float  # 10 log10(||ref||^2 / ||low - ref||^2)
+    underflow_count: int  # values nonzero in float32 but zero in the low-precision output
+    reference_nonzero: int
+
+    @property
+    def label(self) -> str:
+        return call_label(self.module, self.call)
+
+
+@dataclass(frozen=True)
+class PassTrace:
+    """Everything recorded in one forward (+ backward) pass."""
+
+    scale: float
+    detailed: bool
+    calls: list[ModuleCall]
+    grad_events: list[GradEvent]
+    batch: list[TensorRecord]
+    output: list[TensorRecord]
+    loss: Optional[TensorStats]
+    backward_ran: bool
+    op_finding: Optional[OpFinding] = None
+    backward_op_finding: Optional[OpFinding] = None
+    comparisons: list[Comparison] = field(default_factory=list)  # diagnose(..., reference=True)
+
+    def param_grads(self) -> dict[str, TensorStats]:
+        return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
+
+    def gradients_finite(self) -> bool:
+        return all(e.stats.is_finite for e in self.grad_events)
+
+    def forward_finite(self) -> bool:
+        return self.loss is not None and self.loss.is_finite and all(
+            r.stats.is_finite for r in self.output
+        )
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step seen by ``ampdoctor.watch`` (gradient statistics unscaled, like everywhere else)."""
+
+    step: int
+    scale: float  # the scale used for this step's backward
+    skipped: bool  # GradScaler found inf/NaN and skipped the optimizer step
+    loss: Optional[float] = None
+    rank: int = 0
+    forward_finite: bool = True
+    forward_origin: Optional[str] = None  # label of the forward origin call, when the step was captured
+    backward_origin: Optional[str] = None
+    nonfinite_params: list[str] = field(default_factory=list)
+    new_scale: Optional[float] = None  # the scale after update()
+    micro_batches: int = 0  # training forwards of the root module folded into this step (gradient accumulation)
+    sampled: bool = False  # per-module statistics were taken on this step
+    # Sampled steps: largest finite |x| per module over its low-precision outputs / output gradients (unscaled).
+    out_abs_max: dict[str, float] = field(default_factory=dict)
+    grad_abs_max: dict[str, float] = field(default_factory=dict)
+    nonfinite_outputs: list[str] = field(default_factory=list)  # modules with inf/NaN outputs, completion order
+    nonfinite_grads: list[str] = field(default_factory=list)  # modules with inf/NaN output gradients, backward order
+    local_nonfinite: bool = False  # this rank's own forward or pre-reduction gradients went non-finite
+    captured: bool = False  # a full capture (diagnose of the failing inputs) ran on this step
+    capture_verdict: Optional[str] = None
+    explained_by: Optional[int] = None  # a skipped step not captured itself: the step whose capture explains it
+    run: Optional[str] = None  # in a run of skipped steps: "harmless", "persistent" or "open" (set by report())
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Facts of the run that a reader needs to trust (or distrust) the findings."""
+
+    torch_version: str
+    ampdoctor_version: str
+    device: str
+    device_type: str
+    limits: FormatLimits
+    scale: float
+    scale_source: str
+    loss_source: str
+    model_class: str
+    autocast_note: str
+    notes: list[str] = field(default_factory=list)
+    huggingface: bool = False  # a transformers PreTrainedModel (has _keep_in_fp32_modules)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a float32 fallback costs, estimated from the captured shapes."""
+
+    extra_activation_bytes: int  # outputs of the fallback calls held in float32 instead of the low dtype
+    fp32_matmul_flop_share: float  # share of the model's Linear/Conv FLOPs that move to float32
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One thing to change. ``modules`` names module calls' modules as in the report (``""`` is the root)."""
+
+    action: str  # "fp32_fallback", "loss_scale", "bf16", "mask_constant", "keep_in_fp32", "fix_code", ...
+    modules: list[str]
+    title: str
+    snippet: str
+    verified: bool = False  # True only when a re-run with the change applied came out finite
+    evidence: str = ""  # what the verification run showed (or why there was none)
+    cost: Optional[Cost] = None

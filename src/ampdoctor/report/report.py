@@ -1,0 +1,99 @@
+"""The Report: records + findings + recommendations + run facts, with a JSON round trip. No torch here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..analysis import Findings, Origin
+from ..records import ModuleInfo, PassTrace, Recommendation, RunInfo, StepRecord
+from ..serial import json_object, load_versioned, to_plain
+
+# Major.minor: readers refuse a newer major version; a newer minor only adds fields.
+SCHEMA_VERSION = "1.0"
+
+
+@dataclass(frozen=True)
+class Report:
+    """What ``diagnose`` found. ``print(report)`` shows it; ``report.to_json()`` saves it."""
+
+    run: RunInfo
+    modules: list[ModuleInfo]
+    trace: PassTrace
+    findings: Findings
+    recommendations: list[Recommendation] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)  # filled by ampdoctor.watch; empty for diagnose
+    schema_version: str = SCHEMA_VERSION
+
+    # -- the stable surface ---------------------------------------------------------------------------------
+    @property
+    def verdict(self) -> str:
+        """One of ``healthy``, ``overflow``, ``nan``, ``underflow``, ``scale_overflow``."""
+        return self.findings.verdict
+
+    @property
+    def forward_origin(self) -> Optional[Origin]:
+        return self.findings.forward_origin
+
+    @property
+    def backward_origin(self) -> Optional[Origin]:
+        return self.findings.backward_origin
+
+    @property
+    def exit_code(self) -> int:
+        """CLI convention: 0 healthy or warnings only (harmless scale overflow, thin headroom), 1 a finding."""
+        if self.verdict == "healthy":
+            return 0
+        if self.verdict == "scale_overflow" and self.findings.scale is not None and self.findings.scale.harmless:
+            return 0
+        return 1
+
+    # -- serialisation --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = to_plain(self)
+        return data
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        return load_versioned(cls, data, SCHEMA_VERSION, "report")
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        return cls.from_dict(json_object(text, "report"))
+
+    # -- rendering ------------------------------------------------------------------------------------------
+    def to_text(self, max_rows: int = 20) -> str:
+        from .text import render_text
+
+        return render_text(self, max_rows=max_rows)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def _repr_html_(self) -> str:
+        """Rich display in Jupyter (escaped, no JavaScript, with a ``<pre>`` text fallback)."""
+        from .html import render_html
+
+        return render_html(self)
+
+    def to_dataframe(self) -> Any:
+        """One row per module call and tensor (pandas needed: ``pip install ampdoctor[notebook]``)."""
+        from .frames import to_dataframe
+
+        return to_dataframe(self)
+
+    def plot(self, path: Optional[str] = None) -> Any:
+        """Each call's range against the format's band; returns the figure, saves a PNG when ``path`` is given
+        (matplotlib needed: ``pip install ampdoctor[notebook]``)."""
+        from .plot import plot_report
+
+        return plot_report(self, path)
+
+    def __repr__(self) -> str:
+        origin = self.forward_origin or self.backward_origin
+        where = f", origin={origin.label!r}" if origin else ""
+        return f"<ampdoctor.Report verdict={self.verdict!r}{where}, calls={len(self.trace.calls)}>"

@@ -1,0 +1,95 @@
+"""Records to plain JSON data and back, guided by the type hints; versioned loading. No torch here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, TypeVar, Union
+
+T = TypeVar("T")
+
+def _encode_float(v: float) -> Union[float, str]:
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return v
+
+
+def to_plain(obj: Any) -> Any:
+    """Dataclasses → dicts, tuples → lists, non-finite floats → strings (strict JSON has none)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, float):
+        return _encode_float(obj)
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def from_plain(tp: Any, data: Any) -> Any:
+    """Rebuild a value of type ``tp`` from :func:`to_plain` output, guided by the type hints."""
+    origin = typing.get_origin(tp)
+    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if data is None:
+            return None
+        return from_plain(args[0], data)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        hints = typing.get_type_hints(tp)
+        kwargs = {f.name: from_plain(hints[f.name], data[f.name]) for f in dataclasses.fields(tp) if f.name in data}
+        return tp(**kwargs)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return [from_plain(item, v) for v in data]
+    if origin is tuple:
+        items = typing.get_args(tp)
+        if len(items) == 2 and items[1] is Ellipsis:
+            return tuple(from_plain(items[0], v) for v in data)
+        return tuple(from_plain(a, v) for a, v in zip(items, data))
+    if origin is dict:
+        _, value_tp = typing.get_args(tp)
+        return {k: from_plain(value_tp, v) for k, v in data.items()}
+    if tp is float:
+        return float(data)  # float("nan") / float("inf") decode the strings
+    return data
+
+
+def load_versioned(cls: type[T], data: dict[str, Any], ours: str, kind: str) -> T:
+    """Rebuild a saved report, refusing a newer major ``schema_version`` (a newer minor only adds fields)."""
+    from .errors import AmpDoctorError
+
+    version = str(data.get("schema_version", ""))
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        raise AmpDoctorError(f"not an ampdoctor {kind}: schema_version {version!r}") from None
+    if major > int(ours.split(".")[0]):
+        raise AmpDoctorError(
+            f"{kind} schema_version {version} is newer than this ampdoctor reads ({ours}); "
+            "upgrade ampdoctor (pip install -U ampdoctor)"
+        )
+    try:
+        loaded: T = from_plain(cls, data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AmpDoctorError(f"malformed ampdoctor {kind}: {exc}") from exc
+    return loaded
+
+
+def json_object(text: str, kind: str) -> dict[str, Any]:
+    """Parse JSON text that must hold one object."""
+    import json
+
+    from .errors import AmpDoctorError
+
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise AmpDoctorError(f"not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise AmpDoctorError(f"not an ampdoctor {kind}: expected a JSON object")
+    return data
