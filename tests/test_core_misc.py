@@ -31,7 +31,7 @@ def test_demo_report_names_the_attention_and_its_matmul(demo_report: ampdoctor.R
     assert origin.op is not None and origin.op.op in ("aten::bmm", "aten::matmul")
     assert origin.op.location is not None and "q @ k.transpose" in origin.op.location.code
     assert "blocks.1.attn.proj" in demo_report.findings.propagation  # the child got NaN; it is not the origin
-    assert demo_report.recommendations[0].modules == [DEMO_ORIGIN]
+    assert demo_report.recommendations[0].modules == (DEMO_ORIGIN,)
 
 
 def test_json_round_trip_and_schema(demo_report: ampdoctor.Report) -> None:

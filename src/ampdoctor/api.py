@@ -178,7 +178,7 @@ def diagnose(
             loss_source=loss_sources[0],
             model_class=type(root).__name__,
             autocast_note=autocast_note(device_type),
-            notes=notes,
+            notes=tuple(notes),
             huggingface=hasattr(type(root), "_keep_in_fp32_modules") and hasattr(root, "config"),
         )
         findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons)
@@ -198,7 +198,7 @@ def diagnose(
             recommendations = verify_recommendations(context, findings, recommendations, check_scale)
     finally:
         guard.rewind()
-    return Report(run_info, modules, final, findings, recommendations)
+    return Report(run_info, tuple(modules), final, findings, tuple(recommendations))
 
 
 def _bf16_runner(spec: PassSpec, guard: StateGuard, device_type: str) -> Optional[Callable[[float], PassTrace]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 from ..records import (
@@ -9,6 +10,7 @@ from ..records import (
     FormatLimits,
     ModuleInfo,
     PassTrace,
+    Verdict,
 )
 from ..thresholds import HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
 from .findings import Findings, ScaleFinding, ScaleWindow, UnderflowFinding
@@ -24,12 +26,13 @@ def analyze(
     underflow: Optional[UnderflowFinding] = None,
     scale: Optional[ScaleFinding] = None,
     window: Optional[ScaleWindow] = None,
-    comparisons: Optional[list[Comparison]] = None,
+    comparisons: Optional[Sequence[Comparison]] = None,
 ) -> Findings:
     """Findings of one (detailed) pass at the used scale, given the results of any re-runs."""
     fwd = forward_origin(trace)
+    verdict: Verdict
     bwd = backward_origin(trace, modules) if fwd is None else None
-    warnings = []
+    warnings: list[str] = []
     if fwd is not None:
         verdict = classify(fwd.bad, fwd.op)
     elif bwd is not None:
@@ -68,13 +71,13 @@ def analyze(
         verdict=verdict,
         forward_origin=fwd,
         backward_origin=bwd,
-        propagation=propagation(trace, fwd),
-        near_limit=near,
+        propagation=tuple(propagation(trace, fwd)),
+        near_limit=tuple(near),
         underflow=underflow,
         scale=scale,
-        not_captured=not_captured(trace),
-        warnings=warnings,
+        not_captured=tuple(not_captured(trace)),
+        warnings=tuple(warnings),
         window=window,
-        precision=precision_finding(comparisons or []),
+        precision=precision_finding(comparisons or ()),
     )
 

@@ -158,7 +158,7 @@ def run_pass(
     trace = _build_trace(recorder, stats, scale, detailed, batch_slots, output_slots, loss_slot, backward_ran)
     finding = loss_zoom.finding if loss_zoom is not None else (recorder.zoom.finding if recorder.zoom else None)
     backward_finding = back_zoom.finding if back_zoom is not None else None
-    comparisons = float_reference.records() if float_reference is not None else []
+    comparisons = tuple(float_reference.records()) if float_reference is not None else ()
     trace = dataclasses.replace(
         trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons
     )
@@ -195,8 +195,8 @@ def _build_trace(
             class_name=c.class_name,
             parent=c.parent,
             end_order=c.end_order,
-            inputs=[TensorRecord(p, stats[s], rg, prod, s, prod_path) for p, s, rg, prod, prod_path in c.inputs],
-            outputs=[TensorRecord(p, stats[s], rg, None, s) for p, s, rg in c.outputs],
+            inputs=tuple(TensorRecord(p, stats[s], rg, prod, s, prod_path) for p, s, rg, prod, prod_path in c.inputs),
+            outputs=tuple(TensorRecord(p, stats[s], rg, None, s) for p, s, rg in c.outputs),
         )
         for c in recorder.calls
     ]
@@ -219,10 +219,10 @@ def _build_trace(
     return PassTrace(
         scale=scale,
         detailed=detailed,
-        calls=calls,
-        grad_events=events,
-        batch=[TensorRecord(p, stats[s], rg) for p, s, rg in batch_slots],
-        output=[TensorRecord(p, stats[s], rg) for p, s, rg in output_slots],
+        calls=tuple(calls),
+        grad_events=tuple(events),
+        batch=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in batch_slots),
+        output=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in output_slots),
         loss=stats[loss_slot],
         backward_ran=backward_ran,
     )
@@ -238,6 +238,6 @@ def capture_params(spec: PassSpec, modules: list[tuple[str, nn.Module]]) -> list
         layout.append((name, type(module).__name__, [(pname, collector.add(p), p.requires_grad) for pname, p in own]))
     stats = collector.read()
     return [
-        ModuleInfo(name, class_name, [ParamRecord(pname, stats[slot], rg) for pname, slot, rg in params])
+        ModuleInfo(name, class_name, tuple(ParamRecord(pname, stats[slot], rg) for pname, slot, rg in params))
         for name, class_name, params in layout
     ]

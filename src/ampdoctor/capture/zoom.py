@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..records import OpFinding, SourceLocation
+from ..records import Direction, OpFinding, SourceLocation
 from .dtypes import dtype_name
 from .stats import measuring
 from .walk import floating_leaves
@@ -79,7 +79,7 @@ class _Zoom(TorchDispatchMode):
     counts as creation and where the op's source line is. ampdoctor's own statistics ops are ignored.
     """
 
-    direction = "forward"
+    direction: Direction = "forward"
 
     def __init__(self, module: str, call: int) -> None:
         super().__init__()
@@ -115,8 +115,8 @@ class _Zoom(TorchDispatchMode):
             op=_op_name(func),
             module=self.module,
             call=self.call,
-            input_dtypes=[dtype_name(t.dtype) for t in inputs],
-            input_abs_max=abs_max,
+            input_dtypes=tuple(dtype_name(t.dtype) for t in inputs),
+            input_abs_max=tuple(abs_max),
             output_dtype=dtype_name(outputs[0].dtype),
             output_nan_count=nan,
             output_posinf_count=posinf,
@@ -124,7 +124,7 @@ class _Zoom(TorchDispatchMode):
             location=location,
             direction=self.direction,
             node=node,
-            scalar_args=[float(v) for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)],
+            scalar_args=tuple(float(v) for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)),
         )
 
     def _creates(
@@ -178,7 +178,7 @@ class BackwardZoom(_Zoom):
     forward for the forward line.
     """
 
-    direction = "backward"
+    direction: Direction = "backward"
 
     def __init__(self) -> None:
         super().__init__("", 0)

@@ -329,9 +329,9 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     run = dataclasses.replace(
         run,
         scale_source=scale_source or run.scale_source,
-        notes=[*run.notes, *notes, *_saved_from_cuda(loaded.saved_on, device.type)],
+        notes=(*run.notes, *notes, *_saved_from_cuda(loaded.saved_on, device.type)),
     )
-    findings = dataclasses.replace(report.findings, warnings=[*report.findings.warnings, *_cuda_fp32_warning(report)])
+    findings = dataclasses.replace(report.findings, warnings=(*report.findings.warnings, *_cuda_fp32_warning(report)))
     report = dataclasses.replace(report, run=run, findings=findings)
     emit(render(report, args.format), args.output)
     return report.exit_code

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Optional
 
 from torch import nn
@@ -36,14 +36,6 @@ class VerifyContext:
     low_dtype: str
     run: RunFn  # a survey pass at a scale, same RNG and buffers as the diagnosis
     run_other_dtype: Optional[RunFn]  # the same in bfloat16 (None when not applicable)
-
-
-def _forward_finite(trace: PassTrace) -> bool:
-    return trace.forward_finite() and all(r.stats.is_finite for c in trace.calls for r in c.outputs if r.stats.measured)
-
-
-def _healthy(trace: PassTrace) -> bool:
-    return _forward_finite(trace) and (not trace.backward_ran or trace.gradients_finite())
 
 
 def _origin_of(trace: PassTrace, modules: list[ModuleInfo]) -> Optional[Origin]:
@@ -100,7 +92,7 @@ def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> tu
     their dtype (norms and activations follow their input under autocast), which is expected.
     """
 
-    def dtypes(records: list[TensorRecord]) -> list[str]:
+    def dtypes(records: Sequence[TensorRecord]) -> list[str]:
         return [r.stats.dtype for r in records]
 
     old = {(c.module, c.call): c for c in before.calls}
@@ -135,17 +127,17 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
         chosen.append(current.module)
         with Fp32Fallback(ctx.root, chosen):
             last = ctx.run(check_scale)
-            if _forward_finite(last) and not _healthy(last) and check_scale > 1:
+            if last.forward_healthy() and not last.healthy() and check_scale > 1:
                 # Gradients that are finite at scale 1 are a loss-scale overflow, which GradScaler handles.
                 at_one = ctx.run(1.0)
-                if _healthy(at_one):
+                if at_one.healthy():
                     scale_note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
                     last = at_one
-        if _healthy(last):
+        if last.healthy():
             break
         current = _origin_of(last, ctx.modules)
         rounds.append(f"with {', '.join(chosen)} in float32 the origin moved to {current.label if current else '?'}")
-    if last is None or not _healthy(last):
+    if last is None or not last.healthy():
         return _unverified(origin, chosen, "; ".join(rounds) or "no finite step within the bound")
     changed, followed = _dtype_changes(ctx.baseline, last, chosen)
     kept = sum(
@@ -164,7 +156,7 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
         evidence += f"; but {len(changed)} call(s) outside the set changed dtype: {', '.join(changed[:5])}"
     return Recommendation(
         action="fp32_fallback",
-        modules=list(chosen),
+        modules=tuple(chosen),
         title=f"run {', '.join(chosen)} in float32; AMP stays on everywhere else",
         snippet=fallback_snippet(chosen, model_device_type(ctx.root)),
         verified=not changed,
@@ -177,7 +169,7 @@ def _unverified(origin: Origin, chosen: list[str], why: str) -> Recommendation:
     modules = chosen or ([origin.module] if origin.module not in (LOSS, BATCH, "") else [])
     return Recommendation(
         action="fp32_fallback",
-        modules=modules,
+        modules=tuple(modules),
         title=f"no float32 fallback set made the step finite: {why}",
         snippet="# no verified fallback; see the origin and op above",
         verified=False,
@@ -195,11 +187,11 @@ def verify_recommendations(
     )
     out: list[Recommendation] = []
     for rec in recs:
-        if rec.action == "fp32_fallback" and origin is not None and rec.modules == [origin.module]:
+        if rec.action == "fp32_fallback" and origin is not None and rec.modules == (origin.module,):
             out.append(verify_fallback(ctx, origin, check_scale))
         elif rec.action == "bf16" and ctx.run_other_dtype is not None:
             trace = ctx.run_other_dtype(1.0)
-            ok = _healthy(trace)
+            ok = trace.healthy()
             out.append(
                 dataclasses.replace(
                     rec,
@@ -212,7 +204,7 @@ def verify_recommendations(
             scale = _proposed_scale(findings)
             assert scale is not None
             trace = ctx.run(scale)
-            ok = _healthy(trace)
+            ok = trace.healthy()
             evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
             window = findings.window
             probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..analysis import Findings, Origin
-from ..records import ModuleInfo, PassTrace, Recommendation, RunInfo, StepRecord
+from ..records import ModuleInfo, PassTrace, Recommendation, RunInfo, StepRecord, Verdict
 from ..serial import json_object, load_versioned, to_plain
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
@@ -19,16 +19,16 @@ class Report:
     """What ``diagnose`` found. ``print(report)`` shows it; ``report.to_json()`` saves it."""
 
     run: RunInfo
-    modules: list[ModuleInfo]
+    modules: tuple[ModuleInfo, ...]
     trace: PassTrace
     findings: Findings
-    recommendations: list[Recommendation] = field(default_factory=list)
-    steps: list[StepRecord] = field(default_factory=list)  # filled by ampdoctor.watch; empty for diagnose
+    recommendations: tuple[Recommendation, ...] = ()
+    steps: tuple[StepRecord, ...] = ()  # filled by ampdoctor.watch; empty for diagnose
     schema_version: str = SCHEMA_VERSION
 
     # -- the stable surface ---------------------------------------------------------------------------------
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Verdict:
         """One of ``healthy``, ``overflow``, ``nan``, ``underflow``, ``scale_overflow``."""
         return self.findings.verdict
 
