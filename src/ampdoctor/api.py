@@ -167,6 +167,7 @@ def diagnose(
                 "no loss_fn given and the output has no loss: the backward used a surrogate loss (mean of the "
                 "floating outputs); pass loss_fn= for the real gradients"
             )
+        notes += [n for n in final.notes if n not in notes]
         run_info = RunInfo(
             torch_version=torch.__version__,
             ampdoctor_version=__version__,

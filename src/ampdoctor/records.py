@@ -338,6 +338,7 @@ class PassTrace:
     op_finding: Optional[OpFinding] = None
     backward_op_finding: Optional[OpFinding] = None
     comparisons: tuple[Comparison, ...] = ()  # diagnose(..., reference=True)
+    notes: tuple[str, ...] = ()  # what went wrong inside this pass without stopping it
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}

@@ -159,8 +159,10 @@ def run_pass(
     finding = loss_zoom.finding if loss_zoom is not None else (recorder.zoom.finding if recorder.zoom else None)
     backward_finding = back_zoom.finding if back_zoom is not None else None
     comparisons = tuple(float_reference.records()) if float_reference is not None else ()
+    zooms = (("forward", loss_zoom or recorder.zoom), ("backward", back_zoom))
+    notes = tuple(f"the {kind} op zoom could not inspect {z.error}" for kind, z in zooms if z is not None and z.error)
     trace = dataclasses.replace(
-        trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons
+        trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes
     )
     return trace, loss_source
 

@@ -86,14 +86,15 @@ class _Zoom(TorchDispatchMode):
         self.module = module
         self.call = call
         self.finding: Optional[OpFinding] = None
+        self.error: Optional[str] = None  # why inspecting an op failed (reported in the pass's notes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if self.finding is None and not measuring():
             try:
                 self._inspect(func, args, kwargs or {}, out)
-            except Exception:  # the zoom is best effort; never break the user's step
-                pass
+            except Exception as exc:  # the zoom is best effort: never break the user's step, but say so
+                self.error = self.error or f"{_op_name(func)}: {type(exc).__name__}: {exc}"
         return out
 
     def _inspect(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:

@@ -51,7 +51,10 @@ class Report:
 
     # -- serialisation --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = to_plain(self)
+        """Plain data for JSON: every field, plus ``verdict`` and ``exit_code`` at the top (read-only: ignored
+        by :meth:`from_dict`, which recomputes them)."""
+        data: dict[str, Any] = {"verdict": self.verdict, "exit_code": self.exit_code}
+        data.update(to_plain(self))
         return data
 
     def to_json(self, indent: Optional[int] = None) -> str:
@@ -70,6 +73,12 @@ class Report:
         from .text import render_text
 
         return render_text(self, max_rows=max_rows)
+
+    def to_markdown(self, max_rows: int = 20) -> str:
+        """GitHub-flavoured markdown (headings, pipe tables, fenced code) for issues and pull requests."""
+        from .markdown import render_markdown
+
+        return render_markdown(self, max_rows=max_rows)
 
     def __str__(self) -> str:
         return self.to_text()
