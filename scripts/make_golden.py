@@ -4,7 +4,7 @@
     python scripts/make_golden.py --reports  # also re-runs the three diagnoses that produce the saved reports
 
 The tests (``tests/test_golden.py``) render the saved ``*.json`` reports and compare with the ``*.txt``, ``*.md``
-and ``*.html`` files byte by byte. Saved reports carry their own torch version, so the golden files do not change
+and ``*.html.golden`` files byte by byte. Saved reports carry their own torch version, so the golden files do not change
 when torch does; re-running the diagnoses (``--reports``) is for when the report's content is meant to change.
 """
 
@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
-RENDERERS = {"txt": "to_text", "md": "to_markdown", "html": "_repr_html_"}
+# The HTML golden file ends in .golden so that tools reading the tree as source do not take it for a page.
+RENDERERS = {"txt": "to_text", "md": "to_markdown", "html.golden": "_repr_html_"}
 
 
 def _demo() -> object:
@@ -95,7 +96,7 @@ def main(argv: list[str]) -> int:
             (GOLDEN / f"{name}.json").write_text(make().to_json(indent=1) + "\n", encoding="utf-8")  # type: ignore[attr-defined]
         for suffix, text in render_all(name).items():
             (GOLDEN / f"{name}.{suffix}").write_text(text, encoding="utf-8")
-        print(f"wrote {GOLDEN / name}.{{json,txt,md,html}}")
+        print(f"wrote {GOLDEN / name}.{{json,txt,md,html.golden}}")
     return 0
 
 

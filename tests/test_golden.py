@@ -31,7 +31,7 @@ def _script():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("name", NAMES)
 def test_renderings_match_the_golden_files(name: str) -> None:
     rendered = _script().render_all(name)
-    assert set(rendered) == {"txt", "md", "html"}
+    assert set(rendered) == {"txt", "md", "html.golden"}
     for suffix, text in rendered.items():
         expected = (GOLDEN / f"{name}.{suffix}").read_text(encoding="utf-8")
         assert text == expected, f"{name}.{suffix} differs: run python scripts/make_golden.py and review the diff"
