@@ -218,11 +218,18 @@ def test_scaler_is_only_read() -> None:
     assert scaler._scale is None and scaler.__dict__.keys() == before.keys()
 
 
-def test_deprecated_cuda_scaler_is_accepted() -> None:
+def test_deprecated_cuda_scaler_on_a_machine_without_cuda_is_said_first() -> None:
+    # The seed's loop (torch.cuda.amp.GradScaler + torch.cuda.amp.autocast) trains in float32 without scaling
+    # on a CPU-only machine: the report must say so in its first lines, and assume the scale CUDA would use.
     with pytest.warns(Warning):
         scaler = torch.cuda.amp.GradScaler()  # disabled without CUDA
     report = run(_backward_model(20.0), torch.ones(4, 64), scaler=scaler)
-    assert report.run.scale == 1.0 and "disabled" in report.run.scale_source
+    assert report.run.scale == 65536.0 and "disabled here" in report.run.scale_source
+    (fact,) = report.run.environment
+    assert "your own loop runs in float32 without loss scaling on this machine" in fact
+    lines = str(report).splitlines()
+    assert "your own loop runs in float32" in lines[2]  # right under the verdict and the run facts
+    assert report.verdict == "scale_overflow"  # what float16 at 65536 does: big's gradient 1280 * 65536 is inf
 
 
 def _weighted_sum(weights: torch.Tensor):  # type: ignore[no-untyped-def]

@@ -339,6 +339,7 @@ class PassTrace:
     backward_op_finding: Optional[OpFinding] = None
     comparisons: tuple[Comparison, ...] = ()  # diagnose(..., reference=True)
     notes: tuple[str, ...] = ()  # what went wrong inside this pass without stopping it
+    autocast: bool = True  # autocast was really in effect during the forward
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
@@ -391,6 +392,21 @@ class StepRecord(NanEq):
     run: Optional[RunStatus] = None  # in a run of skipped steps (set by report())
 
 
+PassStatus = Literal["ran", "failed", "skipped"]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One pass a diagnosis ran (or tried): what it was for, at which scale and dtype, and how it went."""
+
+    purpose: str  # "survey", "detail and op zoom", "scale probe", "float32 reference", ...
+    scale: float
+    dtype: str  # the autocast dtype, or "float32" for a pass with autocast off
+    status: PassStatus = "ran"
+    reason: str = ""  # why it failed or was skipped (one line)
+    seconds: float = field(default=0.0, compare=False)  # run-to-run: kept out of equality and golden files
+
+
 @dataclass(frozen=True)
 class RunInfo:
     """Facts of the run that a reader needs to trust (or distrust) the findings."""
@@ -407,6 +423,11 @@ class RunInfo:
     autocast_note: str
     notes: tuple[str, ...] = ()
     huggingface: bool = False  # a transformers PreTrainedModel (has _keep_in_fp32_modules)
+    # Facts about this machine that change what the report means (shown first): a disabled scaler, ...
+    environment: tuple[str, ...] = ()
+    backward_checked: bool = True  # False: no gradient was computed (the report covers the forward only)
+    backward_note: str = ""  # why no gradient was computed
+    passes: tuple[PassRecord, ...] = ()
 
 
 @dataclass(frozen=True)

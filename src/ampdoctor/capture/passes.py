@@ -18,8 +18,10 @@ from torch import nn
 
 from ..errors import AmpDoctorError, InternalError, InvalidInput, ModelRaised
 from ..records import LOSS, GradEvent, ModuleCall, ModuleInfo, ParamRecord, PassTrace, TensorRecord, TensorStats
+from .dtypes import autocast_enabled
 from .hooks import Recorder
 from .reference import FloatReference
+from .state import StateGuard
 from .stats import StatsCollector
 from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
@@ -74,6 +76,7 @@ def run_pass(
     autocast: bool = True,
     backward_zoom: bool = False,
     reference: Union[bool, int] = False,
+    guard: Optional[StateGuard] = None,
 ) -> tuple[PassTrace, str]:
     """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
 
@@ -82,8 +85,9 @@ def run_pass(
     made the first non-finite gradient. ``reference`` (True: leaf modules; an int n: the modules n levels down)
     compares each chosen call against a float32 re-run of that call alone.
 
-    The caller rewinds RNG and buffers before each pass. Gradients are taken with ``torch.autograd.grad`` so no
-    ``.grad`` field is touched.
+    The caller rewinds RNG and buffers before each pass (``guard``); the forward runs under the guard's
+    copy-on-write of parameters. Gradients are taken with ``torch.autograd.grad`` so no ``.grad`` field is
+    touched.
     """
     collector = StatsCollector(spec.dtype, detailed)
     modules = [m for m in spec.root.modules()]
@@ -100,10 +104,13 @@ def run_pass(
     # time (nothing here forms cycles that need it before the pass ends).
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    writes = guard.guard_writes() if guard is not None else contextlib.nullcontext()
+    autocast_on = False
     try:
         recorder.install(spec.params)
         with torch.enable_grad(), _anomaly(backward_zoom):
-            with torch.autocast(spec.device_type, dtype=spec.dtype, enabled=autocast):
+            with torch.autocast(spec.device_type, dtype=spec.dtype, enabled=autocast), writes:
+                autocast_on = autocast_enabled(spec.device_type)
                 try:
                     output = call_model(spec.root, spec.batch)
                 except Exception as exc:
@@ -162,20 +169,20 @@ def run_pass(
     zooms = (("forward", loss_zoom or recorder.zoom), ("backward", back_zoom))
     notes = tuple(f"the {kind} op zoom could not inspect {z.error}" for kind, z in zooms if z is not None and z.error)
     trace = dataclasses.replace(
-        trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes
+        trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
+        autocast=autocast_on,
     )
     return trace, loss_source
 
 
 @contextlib.contextmanager
 def _anomaly(enabled: bool) -> Iterator[None]:
-    """Anomaly mode records every autograd node's forward stack; only the backward zoom needs it."""
-    if not enabled:
-        yield
-        return
+    """Anomaly mode exactly as the pass needs it, whatever the user set: on (forward stacks recorded) only for
+    the backward zoom, and never ``check_nan``, which would raise on the very gradients being diagnosed. The
+    user's setting (``check_nan`` included) is back afterwards."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
-        with torch.autograd.detect_anomaly(check_nan=False):
+        with torch.autograd.set_detect_anomaly(enabled, check_nan=False):
             yield
 
 

@@ -30,33 +30,33 @@ _OWN_DIR = Path(__file__).resolve().parent.parent
 # ampdoctor's own model code (the demo) is user code for the zoom; the rest of the package is not.
 _OWN_MODEL_FILES = frozenset({_OWN_DIR / "demo.py"})
 
+_ENTRY = _OWN_DIR / "capture" / "walk.py"  # call_model: where a pass enters the user's model
+
+
 def _frame_kind(filename: str) -> str:
-    """"model" (user or library code: a candidate), "skip" (torch, <frozen ...>) or "stop" (ampdoctor itself)."""
+    """"model" (user or library code: a candidate), "skip" (torch, ampdoctor's hooks and modes, <frozen ...>) or
+    "stop" (where ampdoctor's pass called the model: beyond it lies the caller of ``diagnose``)."""
     if filename.startswith("<"):
         return "skip"
     path = Path(filename).resolve()
-    if path.is_relative_to(_OWN_DIR) and path not in _OWN_MODEL_FILES:
+    if path == _ENTRY:
         return "stop"
-    if path.is_relative_to(_TORCH_DIR):
+    if (path.is_relative_to(_OWN_DIR) and path not in _OWN_MODEL_FILES) or path.is_relative_to(_TORCH_DIR):
         return "skip"
     return "model"
 
 
 def _innermost_model_frame(frames: Iterable[tuple[str, int, str, str]]) -> Optional[SourceLocation]:
-    """Walk (file, line, function, code) frames from the innermost outward; give up at ampdoctor's own frames.
+    """Walk (file, line, function, code) frames from the innermost outward to the first frame of model code.
 
-    The innermost ampdoctor frames (the zoom asking) are passed over; an ampdoctor frame further out is the
-    pass that called the model, and past it lies the caller of ``diagnose`` (a training loop), not model
-    code: a model without a Python forward of its own (``nn.Sequential``) has no line to name.
+    ampdoctor's own frames on the way (the zoom asking, a hook, a mode, a float32 fallback wrapper) are passed
+    over; the frame where the pass called the model ends the walk: past it lies the caller of ``diagnose`` (a
+    training loop), not model code, so a model without a Python forward (``nn.Sequential``) has no line.
     """
-    leading = True
     for filename, line, function, code in frames:
         kind = _frame_kind(filename)
         if kind == "stop":
-            if leading:
-                continue
             return None
-        leading = False
         if kind == "model":
             return SourceLocation(filename, line, function, code.strip())
     return None

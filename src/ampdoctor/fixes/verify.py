@@ -187,34 +187,34 @@ def verify_recommendations(
     )
     out: list[Recommendation] = []
     for rec in recs:
-        if rec.action == "fp32_fallback" and origin is not None and rec.modules == (origin.module,):
-            out.append(verify_fallback(ctx, origin, check_scale))
-        elif rec.action == "bf16" and ctx.run_other_dtype is not None:
-            trace = ctx.run_other_dtype(1.0)
-            ok = trace.healthy()
-            out.append(
-                dataclasses.replace(
-                    rec,
-                    verified=ok,
-                    evidence="re-ran the step in bfloat16 (unscaled): "
-                    + ("forward and backward finite" if ok else "still non-finite"),
-                )
-            )
-        elif rec.action == "loss_scale" and _proposed_scale(findings) is not None:
-            scale = _proposed_scale(findings)
-            assert scale is not None
-            trace = ctx.run(scale)
-            ok = trace.healthy()
-            evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
-            window = findings.window
-            probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None
-            if ok and window is not None and probe is not None and probe.lost_share is not None:
-                evidence += f", {probe.lost_share:.2%} of gradient values lost to zero ({window.reference})"
-                ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
-            out.append(dataclasses.replace(rec, verified=ok, evidence=evidence))
-        else:
-            out.append(rec)
+        try:
+            out.append(_verify_one(ctx, findings, rec, origin, check_scale))
+        except Exception as exc:  # a re-run that cannot run (float16-only kernel, out of memory): say so
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            out.append(dataclasses.replace(rec, verified=False, evidence=f"the verification re-run failed ({reason})"))
     return sorted(out, key=lambda r: bool(r.evidence) and not r.verified)
+
+
+def _verify_one(
+    ctx: VerifyContext, findings: Findings, rec: Recommendation, origin: Optional[Origin], check_scale: float
+) -> Recommendation:
+    if rec.action == "fp32_fallback" and origin is not None and rec.modules == (origin.module,):
+        return verify_fallback(ctx, origin, check_scale)
+    if rec.action == "bf16" and ctx.run_other_dtype is not None:
+        ok = ctx.run_other_dtype(1.0).healthy()
+        outcome = "forward and backward finite" if ok else "still non-finite"
+        return dataclasses.replace(rec, verified=ok, evidence=f"re-ran the step in bfloat16 (unscaled): {outcome}")
+    scale = _proposed_scale(findings)
+    if rec.action == "loss_scale" and scale is not None:
+        ok = ctx.run(scale).healthy()
+        evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
+        window = findings.window
+        probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None
+        if ok and window is not None and probe is not None and probe.lost_share is not None:
+            evidence += f", {probe.lost_share:.2%} of gradient values lost to zero ({window.reference})"
+            ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
+        return dataclasses.replace(rec, verified=ok, evidence=evidence)
+    return rec
 
 
 def _proposed_scale(findings: Findings) -> Optional[float]:

@@ -153,6 +153,7 @@ class Document:
     head: str  # "OVERFLOW - forward origin: blocks.1.attn"
     facts: str
     sections: tuple[Section, ...] = field(default_factory=tuple)
+    alerts: tuple[str, ...] = ()  # facts that change what the report means, shown right under the head
 
 
 def _names(labels: tuple[str, ...], limit: int = INLINE_NAMES) -> str:
@@ -176,9 +177,16 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
     f, run = report.findings, report.run
     origin = f.forward_origin or f.backward_origin
     head = f.verdict.upper() + (f" - {origin.direction} origin: {origin.label}" if origin is not None else "")
+    if not run.backward_checked:
+        head += " (forward only: no gradient was checked)"
+    backward = (
+        f"loss scale {run.scale:g} ({run.scale_source}), loss from {run.loss_source}"
+        if run.backward_checked
+        else "forward only"
+    )
     facts = (
-        f"{run.limits.dtype} autocast on {run.device}, loss scale {run.scale:g} ({run.scale_source}), "
-        f"loss from {run.loss_source}, torch {run.torch_version}, {len(report.trace.calls)} module calls"
+        f"{run.limits.dtype} autocast on {run.device}, {backward}, torch {run.torch_version}, "
+        f"{len(report.trace.calls)} module calls"
     )
     sections: list[Section] = []
     for origin_ in (f.forward_origin, f.backward_origin):
@@ -279,7 +287,24 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
     notes = [n for n in (run.autocast_note, *run.notes) if n]
     if notes:
         sections.append(Section("Notes", tuple(Para(n) for n in notes)))
-    return Document(f.verdict, head, facts, tuple(sections))
+    failed = failed_passes(report)
+    if failed:
+        title = f"{len(failed)} optional pass(es) failed; the findings stand on the others"
+        at = len(sections) - 1 if sections and sections[-1].title == "Notes" else len(sections)
+        sections.insert(at, Section(title, tuple(Para(line) for line in failed)))
+    return Document(f.verdict, head, facts, tuple(sections), alerts(report))
+
+
+def alerts(report: Report) -> tuple[str, ...]:
+    """Facts that change what the whole report means: the user's loop without AMP here, no gradient checked."""
+    run = report.run
+    return (*run.environment, *([run.backward_note] if run.backward_note else []))
+
+
+def failed_passes(report: Report) -> list[str]:
+    """One line per optional pass that failed: what it was for, and why."""
+    failed = [p for p in report.run.passes if p.status == "failed"]
+    return [f"{p.purpose} ({p.dtype}, scale {p.scale:g}): {p.reason}" for p in failed]
 
 
 def _steps(report: Report, max_rows: int) -> list[Block]:

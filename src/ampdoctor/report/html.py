@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..analysis import Origin
 from ..records import BATCH, LOSS, FormatLimits
 from ..thresholds import HEADROOM_WARN_BITS
-from .document import describe_bad, describe_origin, fmt_num
+from .document import alerts, describe_bad, describe_origin, failed_passes, fmt_num
 from .html_parts import _code, _e, _names, _shape, _td
 from .html_tables import COLLAPSE_MIN_RUN, FULL_TABLE_ROWS, backward_section, forward_section, steps_section
 from .text import render_text
@@ -52,9 +52,12 @@ def _banner(report: Report) -> str:
         f"loss from {run.loss_source} · {run.model_class} · {len(report.trace.calls)} module calls · "
         f"torch {run.torch_version}"
     )
+    if not run.backward_checked:
+        where += " (forward only: no gradient was checked)"
+    notices = "".join(f'<div class="ad-alert">{_e(a)}</div>' for a in alerts(report))
     return (
         f'<div class="ad-banner ad-v-{_e(css)}"><span class="ad-verdict">{_e(verdict.upper())}</span>{where}'
-        f'<div class="ad-facts">{_e(facts)}</div></div>'
+        f'<div class="ad-facts">{_e(facts)}</div>{notices}</div>'
     )
 
 
@@ -194,6 +197,10 @@ def _findings_sections(report: Report) -> str:
         )
     if f.warnings:
         parts.append(_section("Warnings", "<ul>" + "".join(f"<li>{_e(w)}</li>" for w in f.warnings) + "</ul>"))
+    failed = failed_passes(report)
+    if failed:
+        title = f"{len(failed)} optional pass(es) failed; the findings stand on the others"
+        parts.append(_section(title, "<ul>" + "".join(f"<li>{_e(line)}</li>" for line in failed) + "</ul>"))
     return "".join(parts)
 
 

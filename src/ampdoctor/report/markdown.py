@@ -36,6 +36,8 @@ def _table(table: Table) -> list[str]:
 def markdown_of(doc: Document, title: str = "ampdoctor") -> str:
     """A document as markdown: one ``###`` heading per section, paragraphs as bullet points."""
     lines = [f"## {md_escape(title)}: {md_escape(doc.head)}", "", md_escape(doc.facts)]
+    for alert in doc.alerts:  # each its own blockquote paragraph
+        lines += ["", f"> **{md_escape(alert)}**"]
     for section in doc.sections:
         lines += ["", f"### {md_escape(section.title)}", ""]
         previous = None

@@ -16,7 +16,7 @@ __all__ = ["describe_bad", "describe_origin", "fmt_num", "render_text", "text_of
 
 def text_of(doc: Document, title: str = "ampdoctor") -> str:
     """A document as indented plain text: sections separated by a blank line, tables in tabulate's simple style."""
-    lines = [f"{title}: {doc.head}", f"  {doc.facts}"]
+    lines = [f"{title}: {doc.head}", f"  {doc.facts}", *(f"  {alert}" for alert in doc.alerts)]
     for section in doc.sections:
         lines += ["", section.title]
         for block in section.blocks:
