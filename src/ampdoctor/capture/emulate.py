@@ -116,13 +116,16 @@ class _Plan:
     kinds: tuple[str, ...]  # per schema argument: t, ot, tl or -
     names: tuple[str, ...]
     target: Any = None  # fp32_append: the dtype-taking overload
+    kind_of: dict[str, str] = field(default_factory=dict)  # argument name -> kind, for keyword arguments
 
 
 def _plan(name: str, policy: str) -> _Plan:
     op = _overload(name)
     arguments = op._schema.arguments
     target = _overload(CUDA_FP32_APPEND_DTYPE[name]) if policy == "fp32_append" else None
-    return _Plan(name, policy, op, tuple(_arg_kind(a) for a in arguments), tuple(a.name for a in arguments), target)
+    kinds = tuple(_arg_kind(a) for a in arguments)
+    names = tuple(a.name for a in arguments)
+    return _Plan(name, policy, op, kinds, names, target, dict(zip(names, kinds)))
 
 
 def _wanted() -> dict[str, str]:
@@ -237,16 +240,15 @@ def _map(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callabl
             return [fn(v) for v in value]
         return value
 
-    kind_of = dict(zip(plan.names, plan.kinds))
-    new_kwargs = {k: one(kind_of.get(k, "-"), v) for k, v in kwargs.items()}
+    new_kwargs = {k: one(plan.kind_of.get(k, "-"), v) for k, v in kwargs.items()}
     return [one(plan.kinds[i], v) for i, v in enumerate(args)], new_kwargs
 
 
 def _promote_type(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], low: torch.dtype) -> torch.dtype:
     """ATen's promote_type: the widest floating Tensor / Tensor[] input (float64 ignored, Tensor? not looked at)."""
     current = low
-    kind_of = dict(zip(plan.names, plan.kinds))
-    values = [(plan.kinds[i], v) for i, v in enumerate(args)] + [(kind_of.get(k, "-"), v) for k, v in kwargs.items()]
+    values = [(plan.kinds[i], v) for i, v in enumerate(args)]
+    values += [(plan.kind_of.get(k, "-"), v) for k, v in kwargs.items()]
     for kind, value in values:
         tensors = [value] if kind == "t" else list(value) if kind == "tl" and value is not None else []
         for t in tensors:
