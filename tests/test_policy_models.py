@@ -230,7 +230,7 @@ class Running(Part):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         c = h.cumsum(-1, dtype=F32) if self.hand else h.cumsum(-1)
         self.taps["c"] = c
-        return c / torch.arange(1, h.shape[-1] + 1)
+        return c / torch.arange(1, h.shape[-1] + 1, device=h.device)
 
 
 def cumulative_sum() -> tuple[nn.Module, torch.Tensor]:
@@ -308,7 +308,7 @@ class Classifier(Part):
         self.taps["h"] = h
         out = _linear(self, self.fc2, h)
         self.taps["out"] = out
-        target = torch.zeros(2, 4)
+        target = torch.zeros(2, 4, device=out.device)
         if self.hand:
             return F.mse_loss(out.float(), target).reshape(1)
         return F.mse_loss(out, target).reshape(1)
@@ -337,9 +337,12 @@ class Result:
 
 
 def run(build: Callable[[], tuple[nn.Module, torch.Tensor]], mode: str) -> Result:
-    """One forward and backward in ``mode``: "cpu" (native CPU autocast), "cuda_emulated", "cuda_by_hand"."""
+    """One forward and backward in ``mode``: "cpu" (native CPU autocast), "cuda_emulated", "cuda_by_hand", or
+    "cuda" (real CUDA autocast on a GPU)."""
     torch.manual_seed(0)
     model, x = build()
+    if mode == "cuda":
+        model, x = model.cuda(), x.cuda()
     x.requires_grad_(True)  # the gradient reaches the front end (the spectrogram's basis is a fixed buffer)
     parts = [m for m in model.modules() if isinstance(m, Part)]
     for part in parts:
@@ -356,7 +359,11 @@ def run(build: Callable[[], tuple[nn.Module, torch.Tensor]], mode: str) -> Resul
     for name, child in model.named_children():
         child.register_forward_hook(hook(name))
     installed = installed_cuda_policy() if mode == "cuda_emulated" else nullcontext()
-    region = {"cpu": lambda: torch.autocast("cpu", dtype=F16), "cuda_emulated": lambda: cuda_autocast(F16)}
+    region = {
+        "cpu": lambda: torch.autocast("cpu", dtype=F16),
+        "cuda_emulated": lambda: cuda_autocast(F16),
+        "cuda": lambda: torch.autocast("cuda", dtype=F16),
+    }
     with installed, _Recorder() as rec:
         with region[mode]() if mode in region else nullcontext():
             out = model(x)
@@ -445,3 +452,36 @@ def test_spectrogram_backward_runs_pow_in_float32() -> None:
     assert pow_grads and all(outs == ("torch.float32",) for _, _, outs in pow_grads)
     # the float32 gradient goes back to float16 on its way to the conv (the cast's backward)
     assert ("aten::_to_copy", ("torch.float32",), ("torch.float16",)) in backward
+
+
+# The ops whose dtype the policy decides, compared with real CUDA by name and dtypes (kernel choices such as
+# cudnn_convolution or half_to_float softmax make the full traces differ between devices).
+_POLICY_OPS = {
+    "aten::exp",
+    "aten::pow.Tensor_Scalar",
+    "aten::sum",
+    "aten::sum.dim_IntList",
+    "aten::cumsum",
+    "aten::log",
+    "aten::native_layer_norm",
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::mse_loss",
+}
+
+
+def _policy_ops(result: Result) -> list[tuple[str, str, tuple[str, ...]]]:
+    return [(phase, op, outs) for phase, op, _, outs in result.ops if op in _POLICY_OPS]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", list(CASES))
+def test_real_cuda_autocast_matches_the_emulation(case: str) -> None:
+    real, emulated = run(CASES[case], "cuda"), run(CASES[case], "cuda_emulated")
+    assert _first(real) == _first(emulated) == EXPECTED[case][1]
+    assert real.outputs == emulated.outputs
+    assert real.taps == emulated.taps
+    assert real.grads == emulated.grads
+    assert _policy_ops(real) == _policy_ops(emulated)

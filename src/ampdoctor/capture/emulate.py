@@ -391,14 +391,14 @@ def cuda_autocast(
             torch.get_autocast_dtype("cuda"),
             torch.is_autocast_cache_enabled(),
         )
-        torch.set_autocast_enabled("cpu", enabled)
-        torch.set_autocast_dtype("cpu", dtype)
-        torch.set_autocast_enabled("cuda", enabled)
-        torch.set_autocast_dtype("cuda", dtype)
         torch.autocast_increment_nesting()
-        torch.set_autocast_cache_enabled(cache)
         _LOCAL.depth += 1
         try:
+            torch.set_autocast_enabled("cpu", enabled)
+            torch.set_autocast_dtype("cpu", dtype)
+            torch.set_autocast_enabled("cuda", enabled)
+            torch.set_autocast_dtype("cuda", dtype)
+            torch.set_autocast_cache_enabled(cache)
             yield handle
         finally:
             _LOCAL.depth -= 1
