@@ -330,6 +330,23 @@ def test_weight_casts_are_cached_within_a_region_as_on_cuda(clean: None) -> None
     assert emulate._LOCAL.cache == {}
 
 
+def test_a_cast_cached_under_no_grad_still_carries_the_gradient(clean: None) -> None:
+    grads = {}
+    for name, region in (("cpu", lambda: torch.autocast("cpu", dtype=F16)), ("emulated", cuda_autocast)):
+        lin = nn.Linear(2, 2)
+        with region():
+            with torch.no_grad():
+                lin(torch.ones(1, 2))  # caches the float16 weight
+            y = lin(torch.ones(1, 2))  # reuses it with grad enabled
+        y.float().sum().backward()
+        grads[name] = lin.weight.grad
+    assert grads["cpu"] is not None and grads["emulated"] is not None
+    assert torch.equal(grads["cpu"], grads["emulated"])
+    with torch.inference_mode(), cuda_autocast():  # inference mode: nothing cached
+        nn.Linear(2, 2)(torch.ones(1, 2))
+        assert emulate._LOCAL.cache == {}
+
+
 def test_checkpoint_recompute_follows_the_policy_in_the_backward(clean: None) -> None:
     lin = nn.Linear(4, 4)
     x = torch.ones(2, 4, requires_grad=True)

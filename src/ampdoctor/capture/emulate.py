@@ -220,11 +220,13 @@ def _eligible(t: Any) -> bool:
 def _cast(t: Any, to: torch.dtype, low: torch.dtype, cache: bool) -> Any:
     if not _eligible(t) or t.dtype == to:
         return t
-    if cache and to == low and t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view():
+    cacheable = cache and to == low and t.dtype == torch.float32 and t.requires_grad and t.is_leaf
+    if cacheable and not t._is_view() and not torch.is_inference_mode_enabled():
         hit = _LOCAL.cache.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        casted = t.to(to)
+        with torch.enable_grad():  # as ATen (pytorch#158232): a cast cached under no_grad serves later grad use
+            casted = t.to(to)
         _LOCAL.cache[id(t)] = (weakref.ref(t), casted)
         return casted
     return t.to(to)
