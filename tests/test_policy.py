@@ -316,6 +316,23 @@ def test_autocast_cuda_disabled_island_runs_uncast(clean: None) -> None:
     assert any("autocast('cuda', enabled=False)" in n for n in handle.notes())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="documents a CPU-only build: needs a machine without a CUDA GPU")
+def test_the_documented_approximations_of_a_cpu_only_build(clean: None) -> None:
+    x = torch.ones(2, 2)
+
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+    def fp32_function(t: torch.Tensor) -> torch.dtype:
+        return t.dtype
+
+    with cuda_autocast() as handle:
+        with pytest.warns(UserWarning, match="CUDA is not available"):
+            with torch.autocast("cuda"):  # torch disables it without CUDA: its region runs uncast
+                assert torch.mm(x, x).dtype == F32  # CUDA: float16
+        assert fp32_function(x.half()) == F16  # custom_fwd casts CUDA tensors only; CUDA: float32
+    assert handle.stats.island["aten::mm"] == 1
+    assert any("nested autocast('cuda')" in n for n in handle.notes())
+
+
 def test_weight_casts_are_cached_within_a_region_as_on_cuda(clean: None) -> None:
     lin = nn.Linear(4, 4)
     x = torch.ones(2, 4)

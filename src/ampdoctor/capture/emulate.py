@@ -182,7 +182,7 @@ class EmulationStats:
                 "autocast('cuda', enabled=False) island, or a nested autocast('cuda') that a build without CUDA "
                 "disables (CUDA would autocast that one)"
             )
-        return notes if sum(self.applied.values()) + sum(self.kept_fp32.values()) else []
+        return notes if self.applied or self.kept_fp32 or self.island else []
 
 
 @dataclass
