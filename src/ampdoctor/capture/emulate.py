@@ -141,11 +141,16 @@ def _wanted() -> dict[str, str]:
 
 
 _PLANS: list[_Plan] = []  # built once, read only: the kernels' plans, no behaviour of their own
+_MISSING: list[str] = []  # table ops this torch does not have (another version than the tables follow)
 
 
 def _plans() -> list[_Plan]:
     if not _PLANS:
-        _PLANS.extend(_plan(name, policy) for name, policy in sorted(_wanted().items()))
+        for name, policy in sorted(_wanted().items()):
+            try:
+                _PLANS.append(_plan(name, policy))
+            except (AttributeError, RuntimeError):
+                _MISSING.append(name)
     return _PLANS
 
 
@@ -187,7 +192,13 @@ class EmulationStats:
 
 @dataclass
 class CudaPolicyEmulation:
-    """Handle of an installation: what is installed, and what it did (``stats``)."""
+    """Handle of an installation, shared by nested uses: what is installed and what it did.
+
+    ``installed``: registration names with a CUDA-policy kernel; ``fallthrough``: CPU autocast entries switched
+    off (CUDA does not list them); ``not_emulated``: table ops with no kernel here (no CPU kernel, or missing
+    from this torch); ``stats``: calls per op since installation; ``notes()``: the approximations met, for the
+    report (empty when no autocast-listed op ran).
+    """
 
     policy_torch_version: str
     torch_version: str
@@ -339,7 +350,7 @@ def _register() -> CudaPolicyEmulation:
         torch_version=torch.__version__,
         installed=tuple(p.name for p in plans),
         fallthrough=tuple(fallthrough),
-        not_emulated=tuple(sorted(NOT_EMULATED)),
+        not_emulated=tuple(sorted(NOT_EMULATED | set(_MISSING))),
         stats=stats,
     )
 
