@@ -134,10 +134,12 @@ def test_a_forward_that_renormalises_the_embedding_gives_the_same_report_twice()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (the case under test)")
-def test_cuda_autocast_without_a_gpu_is_refused_not_reported_healthy() -> None:
-    model = nn.Sequential(constant_linear(16, 16, 5000.0))  # overflows in float16
-    with pytest.raises(InvalidInput, match="no CUDA device"):
-        ampdoctor.diagnose(model, torch.ones(2, 16), device_type="cuda")
+def test_cuda_autocast_without_a_gpu_is_never_reported_healthy_in_float32() -> None:
+    model = nn.Sequential(constant_linear(16, 16, 5000.0))  # overflows in float16: 16 * 5000 = 80000
+    report = ampdoctor.diagnose(model, torch.ones(2, 16), device_type="cuda")  # emulates CUDA's policy here
+    assert report.verdict == "overflow" and report.run.policy == "cuda_emulated"
+    with pytest.raises(InvalidInput, match="no CUDA device"):  # torch's own autocast('cuda') would be off
+        ampdoctor.diagnose(model, torch.ones(2, 16), device_type="cuda", policy="native")
 
 
 def test_autocast_that_changes_nothing_is_not_reported_on() -> None:

@@ -30,6 +30,7 @@ from .capture.checks import (
     usable_batch,
 )
 from .capture.dtypes import dtype_name, model_device_type
+from .capture.emulate import should_emulate_cuda
 from .capture.model import unwrap_model
 from .capture.passes import LossFn, PassSpec, capture_params, run_pass
 from .capture.policy import autocast_note
@@ -115,6 +116,7 @@ def diagnose(
     verify: bool = True,
     scale_window: bool = True,
     reference: Union[bool, int] = False,
+    policy: Optional[str] = None,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -139,6 +141,9 @@ def diagnose(
             whole model in float32.
         verify: prove each recommendation by re-running the step with it applied (float32 fallback of the
             origin, growing the set when a new origin appears; bfloat16; the safe loss scale).
+        policy: whose autocast op policy the passes follow: ``"native"`` (torch.autocast on ``device_type``) or
+            ``"cuda"`` (CUDA's op lists, emulated on CPU tensors: what CUDA would do, on a machine without a
+            GPU). Default: native, except that ``device_type="cuda"`` on a machine without CUDA emulates.
 
     Nothing the user owns changes (see the README's promises): parameters, buffers, ``.grad`` fields,
     ``training`` flags, RNG states and the scaler are as before, a backward the user built before the call still
@@ -150,7 +155,11 @@ def diagnose(
     root, notes = unwrap_model(model)
     check_model(root)
     device_type = device_type or model_device_type(root, batch)
-    check_device(device_type)
+    if policy not in (None, "native", "cuda"):
+        raise InvalidInput(f"policy must be 'native' or 'cuda', got {policy!r}")
+    emulate = policy == "cuda" or (policy is None and should_emulate_cuda(device_type))
+    if not emulate:
+        check_device(device_type)
     used_scale, scale_source, environment = resolve_scale(scaler, scale, dtype)
     # Inside torch.inference_mode() autograd is off and tensors cannot be saved for backward: run with it off
     # (the context puts the user's mode back), on normal copies of inference tensors.
@@ -161,9 +170,10 @@ def diagnose(
             params=list(root.named_parameters()),
             batch=usable_batch(batch),
             loss_fn=loss_fn,
-            device_type=device_type,
+            device_type="cpu" if emulate else device_type,
             dtype=dtype,
             backward=backward,
+            policy="cuda_emulated" if emulate else "native",
         )
         guard = StateGuard(root, spec.params)
         try:
@@ -192,7 +202,7 @@ def _diagnose(
     limits = format_limits(spec.dtype)
     modules = capture_params(spec, [(name, m) for name, m in spec.root.named_modules()])
     survey = _survey(session, used_scale, reference)
-    check_autocast_effect(survey, limits.dtype, spec.device_type)
+    check_autocast_effect(survey, limits.dtype, "cuda" if spec.policy == "cuda_emulated" else spec.device_type)
     origin = forward_origin(survey)
     runner = Runner(lambda at_scale, autocast: session.run(at_scale, autocast=autocast), fp32_reference)
     scale_finding: Optional[ScaleFinding] = None
@@ -232,23 +242,26 @@ def _diagnose(
             "floating outputs); pass loss_fn= for the real gradients"
         )
     notes += [n for n in final.notes if n not in notes]
+    emulated = spec.policy == "cuda_emulated"
     run_info = RunInfo(
         torch_version=torch.__version__,
         ampdoctor_version=__version__,
-        device=_describe_device(spec.root, spec.device_type),
-        device_type=spec.device_type,
+        device="cpu (CUDA autocast policy, emulated)" if emulated else _describe_device(spec.root, spec.device_type),
+        device_type="cuda" if emulated else spec.device_type,
         limits=limits,
         scale=used_scale,
         scale_source=scale_source,
         loss_source=session.loss_sources[0],
         model_class=type(spec.root).__name__,
-        autocast_note=autocast_note(spec.device_type),
+        autocast_note=autocast_note("cuda_emulated" if emulated else spec.device_type),
+        policy=spec.policy,
         notes=tuple(notes),
         huggingface=hasattr(type(spec.root), "_keep_in_fp32_modules") and hasattr(spec.root, "config"),
         backward_checked=survey.backward_ran,
         backward_note=backward_note(survey, spec.backward, spec.params),
     )
-    findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons)
+    cpu_policy = spec.policy == "native" and spec.device_type == "cpu"
+    findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy)
     recommendations = recommend(findings, run_info, modules)
     if verify and recommendations:
         recommendations = _verify(session, modules, survey, findings, recommendations, used_scale, scale_finding)

@@ -428,6 +428,7 @@ class RunInfo:
     backward_checked: bool = True  # False: no gradient was computed (the report covers the forward only)
     backward_note: str = ""  # why no gradient was computed
     passes: tuple[PassRecord, ...] = ()
+    policy: str = "native"  # "native" (torch.autocast on device_type) or "cuda_emulated" (CUDA lists on CPU)
 
 
 @dataclass(frozen=True)

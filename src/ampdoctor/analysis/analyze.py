@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Optional
 
+from ..capture.policy import cpu_policy_finding_note
 from ..records import (
     Comparison,
     FormatLimits,
@@ -13,7 +15,7 @@ from ..records import (
     Verdict,
 )
 from ..thresholds import HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
-from .findings import Findings, ScaleFinding, ScaleWindow, UnderflowFinding
+from .findings import Findings, Origin, ScaleFinding, ScaleWindow, UnderflowFinding
 from .headroom import near_limit
 from .origin import backward_origin, classify, forward_origin, not_captured, propagation
 from .precision import precision_finding
@@ -27,11 +29,17 @@ def analyze(
     scale: Optional[ScaleFinding] = None,
     window: Optional[ScaleWindow] = None,
     comparisons: Optional[Sequence[Comparison]] = None,
+    cpu_policy: bool = False,
 ) -> Findings:
-    """Findings of one (detailed) pass at the used scale, given the results of any re-runs."""
+    """Findings of one (detailed) pass at the used scale, given the results of any re-runs.
+
+    ``cpu_policy``: the passes ran under CPU autocast; an origin at an op CUDA runs in float32 then says so.
+    """
     fwd = forward_origin(trace)
     verdict: Verdict
     bwd = backward_origin(trace, modules) if fwd is None else None
+    if cpu_policy:
+        fwd, bwd = _with_policy_note(fwd), _with_policy_note(bwd)
     warnings: list[str] = []
     if fwd is not None:
         verdict = classify(fwd.bad, fwd.op)
@@ -81,3 +89,12 @@ def analyze(
         precision=precision_finding(comparisons or ()),
     )
 
+
+
+def _with_policy_note(origin: Optional[Origin]) -> Optional[Origin]:
+    """The origin with the CPU-policy note when CUDA would run its op in float32 (a finding CUDA may not have)."""
+    if origin is None or origin.op is None:
+        return origin
+    kind = "overflow" if classify(origin.bad, origin.op) == "overflow" else "NaN"
+    note = cpu_policy_finding_note(origin.op.op, kind, origin.direction)
+    return dataclasses.replace(origin, policy_note=note) if note else origin

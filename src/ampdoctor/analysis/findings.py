@@ -42,6 +42,8 @@ class Origin:
     op: Optional[OpFinding] = None
     exact: bool = True  # False when the rule could not place it and the first non-finite call is named instead
     event_order: Optional[int] = None  # backward: ``order`` of the gradient event that proves it
+    # Diagnosed under CPU autocast with an op CUDA runs in float32: this finding may not happen on CUDA.
+    policy_note: str = ""
 
     @property
     def label(self) -> str:

@@ -61,9 +61,9 @@ def usable_batch(batch: Any) -> Any:
 def check_device(device_type: str) -> None:
     if device_type == "cuda" and not torch.cuda.is_available():
         raise InvalidInput(
-            "device_type='cuda' but this machine has no CUDA device: torch turns autocast('cuda') off here (with "
-            "one warning), so everything would run in float32 and the report would describe nothing real; "
-            "diagnose with device_type='cpu' (CPU autocast keeps more ops in low precision than CUDA does)"
+            "device_type='cuda' with policy='native' but this machine has no CUDA device: torch turns "
+            "autocast('cuda') off here (with one warning), so everything would run in float32; leave policy unset "
+            "(or policy='cuda') to emulate CUDA's autocast policy on this CPU, or diagnose with device_type='cpu'"
         )
 
 

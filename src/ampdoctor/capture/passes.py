@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import AmpDoctorError, InternalError, InvalidInput, ModelRaised
 from ..records import LOSS, GradEvent, ModuleCall, ModuleInfo, ParamRecord, PassTrace, TensorRecord, TensorStats
 from .dtypes import autocast_enabled
+from .emulate import cuda_autocast, installed_cuda_policy
 from .hooks import Recorder
 from .reference import FloatReference
 from .state import StateGuard
@@ -38,9 +39,17 @@ class PassSpec:
     params: list[tuple[str, nn.Parameter]]  # unique, by canonical name
     batch: Any
     loss_fn: Optional[LossFn]
-    device_type: str
+    device_type: str  # where the tensors are (the autocast device, unless the policy is emulated)
     dtype: torch.dtype
     backward: bool
+    # "native": torch.autocast(device_type); "cuda_emulated": CUDA's op policy on CPU tensors (capture.emulate)
+    policy: str = "native"
+
+
+def _autocast(spec: PassSpec, enabled: bool) -> Any:
+    if spec.policy == "cuda_emulated":
+        return cuda_autocast(spec.dtype, enabled=enabled)
+    return torch.autocast(spec.device_type, dtype=spec.dtype, enabled=enabled)
 
 
 def resolve_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> tuple[torch.Tensor, str]:
@@ -105,12 +114,14 @@ def run_pass(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     writes = guard.guard_writes() if guard is not None else contextlib.nullcontext()
+    # The emulated CUDA policy stays installed for the backward too (checkpoint recomputes run under it).
+    emulation = installed_cuda_policy() if spec.policy == "cuda_emulated" else contextlib.nullcontext()
     autocast_on = False
     try:
         recorder.install(spec.params)
-        with torch.enable_grad(), _anomaly(backward_zoom):
-            with torch.autocast(spec.device_type, dtype=spec.dtype, enabled=autocast), writes:
-                autocast_on = autocast_enabled(spec.device_type)
+        with torch.enable_grad(), _anomaly(backward_zoom), emulation as emulated:
+            with _autocast(spec, autocast), writes:
+                autocast_on = autocast_enabled("cpu" if spec.policy == "cuda_emulated" else spec.device_type)
                 try:
                     output = call_model(spec.root, spec.batch)
                 except Exception as exc:
@@ -168,6 +179,8 @@ def run_pass(
     comparisons = tuple(float_reference.records()) if float_reference is not None else ()
     zooms = (("forward", loss_zoom or recorder.zoom), ("backward", back_zoom))
     notes = tuple(f"the {kind} op zoom could not inspect {z.error}" for kind, z in zooms if z is not None and z.error)
+    if emulated is not None:
+        notes += tuple(emulated.notes())
     trace = dataclasses.replace(
         trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
         autocast=autocast_on,

@@ -86,6 +86,8 @@ def describe_origin(origin: Origin, origin_scale: float = 1.0) -> list[str]:
         lines.append("  " + describe_op_head(origin.op))
         if origin.op.location is not None:
             lines.append(f"    {describe_where(origin.op, origin.op.location)}: {origin.op.location.code}")
+    if origin.policy_note:
+        lines.append(f"  note: {origin.policy_note}")
     return lines
 
 

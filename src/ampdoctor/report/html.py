@@ -116,6 +116,8 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
             items.append(
                 (where, f"{_code(f'{loc.file}:{loc.line}')} in {_code(loc.function)}<pre>{_e(loc.code)}</pre>")
             )
+    if origin.policy_note:
+        items.append(("CPU policy", _e(origin.policy_note)))
     items.append(
         (
             "format",
