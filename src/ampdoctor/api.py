@@ -313,6 +313,7 @@ def _verify(
         low_dtype=dtype_name(session.spec.dtype),
         run=run,
         run_other_dtype=run_bf16 if bf16_ok else None,
+        device_type="cuda" if session.spec.policy == "cuda_emulated" else session.spec.device_type,
     )
     return verify_recommendations(context, findings, recommendations, check_scale)
 

@@ -86,7 +86,7 @@ def _bf16(run: RunInfo) -> Optional[Recommendation]:
     return Recommendation(
         action="bf16",
         modules=(),
-        title="or autocast to bfloat16 where the device supports it (same range as float32, no scaler needed)",
+        title="autocast to bfloat16 where the device supports it (float32's range, no loss scaling needed)",
         snippet=f"with torch.autocast({run.device_type!r}, dtype=torch.bfloat16):\n"
         "    loss = criterion(model(inputs), targets)",
     )
