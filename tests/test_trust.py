@@ -130,7 +130,63 @@ def test_a_forward_that_renormalises_the_embedding_gives_the_same_report_twice()
     assert any("writes parameters in place (0.weight)" in n for n in first.run.notes)
 
 
-# -- 2. device honesty ------------------------------------------------------------------------------------
+# -- 2. activation checkpointing ---------------------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    """Three blocks, each under activation checkpointing; the last one's backward overflows at scale 65536.
+
+    Forward: block outputs stay small. Backward of out.sum(): the last linear's input gradient is 64 * 20 * S =
+    1280 * S per value: inf in float16 from S = 64 (81920), finite at 32.
+    """
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(constant_linear(64, 64, 1e-3), nn.ReLU()) for _ in range(2)]
+            + [nn.Sequential(constant_linear(64, 64, 20.0))]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_gradients_are_captured_with_and_without_reentrant(reentrant: bool) -> None:
+    model = Checkpointed(reentrant)
+    x = torch.full((4, 64), 1e-3, requires_grad=True)  # reentrant checkpointing needs an input with grad
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)  # the user's accumulated gradients: must survive the .backward() path
+    before = snapshot(model)
+    report = ampdoctor.diagnose(model, x, loss_fn=lambda out, _: out.float().sum(), device_type="cpu")
+    assert report.verdict == "scale_overflow", str(report)  # used to be HEALTHY with use_reentrant=True
+    assert report.findings.scale is not None and report.findings.scale.largest_finite_scale == 32.0
+    assert report.backward_origin is not None and report.backward_origin.module == "blocks.2.0"
+    assert [c.label for c in report.trace.calls] == [
+        "<root>", "blocks.0", "blocks.0.0", "blocks.0.1", "blocks.1", "blocks.1.0", "blocks.1.1",
+        "blocks.2", "blocks.2.0",
+    ]  # re-runs are not new calls
+    assert report.findings.not_captured == ()
+    assert_untouched(model, before)
+    assert x.grad is None
+
+
+def test_a_reentrant_checkpoint_whose_input_needs_no_grad_never_trains_and_is_said() -> None:
+    model = Checkpointed(reentrant=True)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        report = ampdoctor.diagnose(model, torch.full((4, 64), 1e-3), loss_fn=lambda out, _: out.float().sum() * 0,
+                                    device_type="cpu")
+    assert not report.run.backward_checked  # the checkpoints' outputs need no grad: nothing to back-propagate
+    warning = next(w for w in report.findings.warnings if "never train" in w)
+    assert warning.startswith("blocks.0.0.weight, blocks.1.0.weight, blocks.2.0.weight require grad but got no")
+
+
+# -- 3. device honesty ------------------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (the case under test)")

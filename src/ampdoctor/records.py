@@ -248,6 +248,7 @@ class ModuleCall:
     end_order: int  # order of completion
     inputs: tuple[TensorRecord, ...] = ()
     outputs: tuple[TensorRecord, ...] = ()
+    grad_enabled: bool = True  # False: ran under no_grad (a reentrant checkpoint's first forward)
 
     @property
     def label(self) -> str:
@@ -340,6 +341,7 @@ class PassTrace:
     comparisons: tuple[Comparison, ...] = ()  # diagnose(..., reference=True)
     notes: tuple[str, ...] = ()  # what went wrong inside this pass without stopping it
     autocast: bool = True  # autocast was really in effect during the forward
+    uncaptured: tuple[str, ...] = ()  # calls re-run by checkpointing whose gradient could not be captured
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}

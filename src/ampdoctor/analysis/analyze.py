@@ -75,6 +75,14 @@ def analyze(
         )
     if near:
         warnings.append(f"{len(near)} tensor(s) within {HEADROOM_WARN_BITS:g} bit of the {limits.dtype} max")
+    frozen = untrained_under_no_grad(trace, modules)
+    if frozen:
+        warnings.append(
+            f"{', '.join(frozen[:5])}{' ...' if len(frozen) > 5 else ''} require grad but got no gradient: "
+            "their module ran under no_grad (a reentrant torch.utils.checkpoint whose inputs need no gradient, "
+            "or an explicit torch.no_grad()), so these parameters never train; give the checkpoint an input that "
+            "requires grad, or use use_reentrant=False"
+        )
     return Findings(
         verdict=verdict,
         forward_origin=fwd,
@@ -98,3 +106,17 @@ def _with_policy_note(origin: Optional[Origin]) -> Optional[Origin]:
     kind = "overflow" if classify(origin.bad, origin.op) == "overflow" else "NaN"
     note = cpu_policy_finding_note(origin.op.op, kind, origin.direction)
     return dataclasses.replace(origin, policy_note=note) if note else origin
+
+
+def untrained_under_no_grad(trace: PassTrace, modules: list[ModuleInfo]) -> list[str]:
+    """Parameters that require grad, got no gradient, and whose module only ran under no_grad."""
+    got = set(trace.param_grads())
+    ran_without = {c.module for c in trace.calls if not c.grad_enabled}
+    ran_with = {c.module for c in trace.calls if c.grad_enabled}
+    return [
+        p.name
+        for info in modules
+        if info.name in ran_without and info.name not in ran_with
+        for p in info.params
+        if p.requires_grad and p.name not in got
+    ]

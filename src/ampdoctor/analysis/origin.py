@@ -253,7 +253,9 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
             first_bad[c.index] = min(bad, key=lambda e: e.order)
     leaves = [i for i in first_bad if not any(d.index in first_bad for d in children.get(i, []))]
     if leaves:
-        index = min(leaves, key=lambda i: first_bad[i].order)
+        # One gradient can be blamed on two calls: a parent (through its child's output) and the deeper call
+        # whose own input gradient it is. The deeper call made it.
+        index = min(leaves, key=lambda i: (first_bad[i].order, -_depth(i, by_index)))
         c, e = by_index[index], first_bad[index]
         incoming = max((x.stats.abs_max or 0.0 for x in out_events[index]), default=None)
         where = f"grad:{e.param}" if e.kind == "param" else f"grad:{e.path}"
@@ -269,6 +271,13 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
         "backward", module, number, cls, f"grad:{first.param or first.path}", first.stats, None, exact=False,
         event_order=first.order,
     )
+
+
+def _depth(index: int, by_index: Mapping[int, ModuleCall]) -> int:
+    depth, parent = 0, by_index[index].parent
+    while parent is not None and parent in by_index:
+        depth, parent = depth + 1, by_index[parent].parent
+    return depth
 
 
 def origin_event(trace: PassTrace, origin: Optional[Origin]) -> Optional[GradEvent]:

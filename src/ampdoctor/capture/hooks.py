@@ -32,6 +32,7 @@ class _OpenCall:
     inputs: list[tuple[str, int, bool, Optional[int], str]]
     outputs: list[tuple[str, int, bool]] = field(default_factory=list)
     end_order: int = -1
+    grad_enabled: bool = True  # False inside torch.no_grad() (a reentrant checkpoint's first forward)
 
 
 @dataclass
@@ -101,6 +102,9 @@ class Recorder:
         self._grad_order = itertools.count()
         self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
         self._handles: list[Any] = []
+        self._recompute: list[int] = []  # original call index of each re-run in progress (-1 unmatched, -2 ignored)
+        self._matched: set[int] = set()
+        self.uncaptured: list[str] = []  # re-run calls that could not be matched to their original call
 
     # install / remove
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
@@ -123,11 +127,54 @@ class Recorder:
             self._zoom_call = None
             self.zoom.__exit__(None, None, None)
 
+    @property
+    def ran_without_grad(self) -> bool:
+        """Some call ran under no_grad inside the pass: a reentrant checkpoint (or an explicit no_grad region)."""
+        return any(not c.grad_enabled for c in self.calls)
+
+    # activation checkpointing: forwards re-run during backward
+    def _recompute_pre(self, module: nn.Module) -> None:
+        """A forward re-run during backward is no new call. A reentrant checkpoint's re-run is where its region's
+        gradients flow (its first forward ran under no_grad): match it to the original call and hook its outputs.
+        A non-reentrant re-run is ignored (the original outputs carry the hooks)."""
+        name = self.names.get(id(module), "?")
+        top = self._recompute[-1] if self._recompute else None
+        if top is not None and top < 0:  # inside an ignored (-2) or unmatched (-1) re-run
+            self._recompute.append(top)
+            return
+        pending = [c for c in self.calls if c.module == name and not c.grad_enabled and c.index not in self._matched]
+        if top is not None:
+            match = next((c for c in pending if c.parent == top), None)
+        else:  # a region's root: regions re-run last first
+            roots = [c for c in pending if c.parent is None or self.calls[c.parent].grad_enabled]
+            match = roots[-1] if roots else None
+        if match is not None:
+            self._matched.add(match.index)
+            self._recompute.append(match.index)
+        elif any(c.module == name and not c.grad_enabled for c in self.calls):
+            self.uncaptured.append(name or "<root>")
+            self._recompute.append(-1)
+        else:
+            self._recompute.append(-2)
+
+    def _recompute_post(self, output: Any) -> None:
+        index = self._recompute.pop() if self._recompute else -2
+        if index < 0:
+            return
+        for path, t in iter_tensors(output, "out"):
+            if t.requires_grad and t.is_floating_point():
+                self._grad_hook(t, "output", index, path)
+
     # forward
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.in_backward or (self.reference is not None and self.reference.busy):
-            # Activation checkpointing re-runs forwards during backward; a float32 re-run is ours: neither is
-            # a call of the AMP forward.
+        if self.reference is not None and self.reference.busy:
+            return  # a float32 re-run of ours: no call of the AMP forward
+        if self.in_backward:
+            if self.record_grads and torch.is_grad_enabled():
+                try:
+                    self._recompute_pre(module)
+                except Exception as exc:
+                    self.error = self.error or exc
             return
         try:
             name = self.names.get(id(module), "?")
@@ -144,7 +191,9 @@ class Recorder:
                 if self.record_grads and t.requires_grad and t.is_floating_point() and producer is None:
                     self._grad_hook(t, "input", index, path)
             parent = self.stack[-1] if self.stack else None
-            self.calls.append(_OpenCall(index, name, number, type(module).__name__, parent, inputs))
+            call = _OpenCall(index, name, number, type(module).__name__, parent, inputs)
+            call.grad_enabled = torch.is_grad_enabled()
+            self.calls.append(call)
             self.stack.append(index)
             if self.reference is not None and self.reference.wants(module, name):
                 self.reference.pending[index] = (args, kwargs, RngState.capture())
@@ -157,7 +206,14 @@ class Recorder:
             self.error = self.error or exc
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.in_backward or (self.reference is not None and self.reference.busy):
+        if self.reference is not None and self.reference.busy:
+            return
+        if self.in_backward:
+            if self.record_grads and torch.is_grad_enabled():
+                try:
+                    self._recompute_post(output)
+                except Exception as exc:
+                    self.error = self.error or exc
             return
         try:
             if not self.stack:

@@ -158,7 +158,12 @@ def run_pass(
                 recorder.in_backward = True
                 try:
                     with back_zoom if back_zoom is not None else contextlib.nullcontext():
-                        torch.autograd.grad(scaled, inputs, allow_unused=True)
+                        if recorder.ran_without_grad:
+                            # A reentrant checkpoint runs its region's backward with .backward() inside, which
+                            # refuses autograd.grad: take the gradients with .backward() on set-aside .grads.
+                            _backward_keeping_grads(scaled, [p for _, p in spec.params])
+                        else:
+                            torch.autograd.grad(scaled, inputs, allow_unused=True)
                 except Exception as exc:
                     raise ModelRaised(f"the backward raised {type(exc).__name__}: {exc}", "backward") from exc
                 backward_ran = True
@@ -186,6 +191,34 @@ def run_pass(
         autocast=autocast_on,
     )
     return trace, loss_source
+
+
+def _leaves(root: torch.Tensor) -> list[torch.Tensor]:
+    """Every leaf tensor the graph of ``root`` accumulates a gradient into (parameters, inputs, others)."""
+    leaves, seen, todo = [], set(), [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+def _backward_keeping_grads(scaled: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """``scaled.backward()`` with every ``.grad`` it could write (the graph's leaves, and the parameters, which
+    a checkpointed region reaches only when it re-runs) set aside first and put back by assignment after."""
+    saved = [(t, t.grad) for t in {id(t): t for t in [*_leaves(scaled), *params]}.values()]
+    for t, _ in saved:
+        t.grad = None
+    try:
+        scaled.backward()
+    finally:
+        for t, grad in saved:
+            t.grad = grad
 
 
 @contextlib.contextmanager
@@ -217,6 +250,7 @@ def _build_trace(
             class_name=c.class_name,
             parent=c.parent,
             end_order=c.end_order,
+            grad_enabled=c.grad_enabled,
             inputs=tuple(TensorRecord(p, stats[s], rg, prod, s, prod_path) for p, s, rg, prod, prod_path in c.inputs),
             outputs=tuple(TensorRecord(p, stats[s], rg, None, s) for p, s, rg in c.outputs),
         )
@@ -247,6 +281,7 @@ def _build_trace(
         output=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in output_slots),
         loss=stats[loss_slot],
         backward_ran=backward_ran,
+        uncaptured=tuple(dict.fromkeys(recorder.uncaptured)),
     )
 
 
