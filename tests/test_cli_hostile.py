@@ -141,6 +141,21 @@ def test_an_unknown_class_is_named_without_suggesting_to_allow_it(tmp_path: Path
     )
 
 
+def test_a_class_from_the_saving_script_is_unknown_not_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checkpoints written by a training script hold __main__.SomeClass; __main__ here is another program.
+    import __main__
+
+    monkeypatch.setattr(Config, "__module__", "__main__")
+    monkeypatch.setattr(__main__, "Config", Config, raising=False)
+    path = tmp_path / "script.pt"
+    torch.save({"w": torch.ones(2), "cfg": Config()}, path)
+    monkeypatch.delattr(__main__, "Config")
+    with pytest.raises(CheckpointRefused, match="ampdoctor does not know __main__.Config and cannot tell"):
+        scan(path)
+
+
 def test_a_directory_with_an_unknown_class_is_scanned_with_a_warning(tmp_path: Path) -> None:
     run = sharded_run(tmp_path, Config())
     report = scan(run)

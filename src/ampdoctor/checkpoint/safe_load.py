@@ -66,6 +66,8 @@ _CODE_NAMES = tuple(
     """.split()
 )
 _NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+# Module names that mean "the script that ran" (classes defined there are pickled under them).
+_SCRIPT_MODULES = ("__main__", "__mp_main__")
 
 
 def classify_global(name: str) -> GlobalKind:
@@ -78,6 +80,8 @@ def classify_global(name: str) -> GlobalKind:
     if name.split(".")[0] in _CODE_MODULES or any(name == p or name.startswith(p + ".") for p in _CODE_NAMES):
         return "code"
     parts = name.split(".")
+    if parts[0] in _SCRIPT_MODULES:
+        return "unknown"  # the script that saved the file, not the one running now
     for cut in range(len(parts) - 1, 0, -1):
         module = sys.modules.get(".".join(parts[:cut]))
         if module is not None:
