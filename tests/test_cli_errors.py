@@ -60,7 +60,7 @@ def user_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
             def warns():
                 import warnings
-                warnings.warn("this factory is deprecated. Use another one", DeprecationWarning)
+                warnings.warn("this factory is old. Use another one", UserWarning)
                 return mlp()
             """
         )
@@ -262,7 +262,7 @@ def test_warnings_of_a_diagnosis_go_to_the_run_notes(
     out, err = capsys.readouterr()
     assert err == ""
     notes = Report.from_json(out).run.notes
-    assert "models warned (DeprecationWarning): this factory is deprecated" in notes
+    assert "models warned (UserWarning): this factory is old" in notes
 
 
 def test_an_internal_error_is_one_line_with_exit_2(

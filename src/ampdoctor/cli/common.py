@@ -117,12 +117,13 @@ def warning_note(message: warnings.WarningMessage) -> str:
 @contextmanager
 def warnings_as_notes() -> Iterator[list[str]]:
     """Collect the warnings raised inside (torch's pickle-protocol warning ...) as note lines, once each, instead
-    of letting them reach stderr. ampdoctor's own UnsafeLoadWarning is dropped: the command printed its line."""
+    of letting them reach stderr: exactly those the warning filters would have printed (DeprecationWarnings from
+    libraries stay hidden by default). ampdoctor's own UnsafeLoadWarning is dropped: the command printed its
+    line."""
     from ..checkpoint.safe_load import UnsafeLoadWarning
 
     notes: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is kept, as for stderr
         try:
             yield notes
         finally:
