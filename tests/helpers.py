@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
+
+import ampdoctor
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -63,6 +67,20 @@ def assert_untouched(model: nn.Module, before: Snapshot) -> None:
         assert not p._backward_hooks, f"tensor hook left on parameter {name}"
 
 
+_PACKAGE = Path(ampdoctor.__file__).resolve().parent
+_DEMO = _PACKAGE / "demo.py"
+
+
+@functools.cache
+def is_library_file(filename: str) -> bool:
+    """A file of the installed ampdoctor package (by its own directory, never by a path substring: a clone is
+    itself a folder called ``ampdoctor``, and its tests are not library code). The demo model is user code."""
+    if filename.startswith("<"):
+        return False
+    path = Path(filename).resolve()
+    return path.is_relative_to(_PACKAGE) and path != _DEMO
+
+
 def ampdoctor_frames_during(fn: Callable[[], Any]) -> list[str]:
     """Names of ampdoctor functions that ran while ``fn`` ran (module hooks, tensor hooks, global hooks).
 
@@ -71,8 +89,7 @@ def ampdoctor_frames_during(fn: Callable[[], Any]) -> list[str]:
     seen: list[str] = []
 
     def profiler(frame: Any, event: str, arg: Any) -> None:
-        filename = frame.f_code.co_filename
-        if event == "call" and "/ampdoctor/" in filename and not filename.endswith("demo.py"):
+        if event == "call" and is_library_file(frame.f_code.co_filename):
             seen.append(frame.f_code.co_name)
 
     sys.setprofile(profiler)

@@ -97,7 +97,7 @@ def test_first_creator_in_completion_order_wins() -> None:
     origin = forward_origin(t)
     assert origin is not None and origin.module == "b"
     result = analyze(t, [], FP16)
-    assert result.verdict == "overflow" and result.propagation == ["c", "<root>"]
+    assert result.verdict == "overflow" and result.propagation == ("c", "<root>")
 
 
 def test_mask_input_does_not_make_inputs_non_finite() -> None:

@@ -52,12 +52,12 @@ def test_origin_in_a_leaf_linear() -> None:
     assert origin.class_name == "Linear"
     assert origin.bad.posinf_count == 2 * 16  # every output: 80000 rounds to +inf
     assert origin.input_abs_max == 1.0
-    assert origin.op is not None and origin.op.op in ("aten::addmm", "aten::mm")
+    assert origin.op is not None and origin.op.op == "aten::mm"  # a bias-free Linear: x @ W.T
     assert origin.op.location is None  # nn.Sequential/nn.Linear have no user line; never the caller's line
-    assert report.findings.propagation == ["post", "<root>"]
+    assert report.findings.propagation == ("post", "<root>")
     # verified: boom in float32 hands 80000 to post, whose float16 input cast overflows next: both are needed
     assert report.recommendations[0].action == "fp32_fallback"
-    assert report.recommendations[0].modules == ["boom", "post"]
+    assert report.recommendations[0].modules == ("boom", "post")
     assert report.recommendations[0].verified
     assert report.exit_code == 1
 
@@ -84,10 +84,10 @@ def test_origin_inside_a_modules_own_forward() -> None:
     assert report.verdict == "overflow"
     origin = report.forward_origin
     assert origin is not None and origin.module == "0" and origin.class_name == "OwnMatmulAttention"
-    assert origin.op is not None and origin.op.op in ("aten::bmm", "aten::mm", "aten::matmul")
+    assert origin.op is not None and origin.op.op == "aten::bmm"  # q @ k.T on 3-D tensors
     assert origin.op.location is not None and origin.op.location.code.startswith("scores = q @ k.transpose")
     assert origin.op.location.file.endswith("test_api.py")
-    assert origin.op.input_abs_max == [300.0, 300.0]
+    assert origin.op.input_abs_max == (300.0, 300.0)
     # the child that receives the NaN is propagation, not the origin
     assert "0.out" in report.findings.propagation
 
@@ -112,7 +112,7 @@ def test_origin_deep_in_a_modulelist() -> None:
     report = run(Deep(), torch.ones(2, 8))
     assert report.forward_origin is not None
     assert report.forward_origin.module == "stages.1.2.0"
-    assert report.findings.propagation == ["stages.1.2.1", "stages.1.2", "<root>"]
+    assert report.findings.propagation == ("stages.1.2.1", "stages.1.2", "<root>")
 
 
 def test_module_called_twice_names_the_second_call() -> None:
@@ -137,7 +137,7 @@ def test_growing_stream_overflows_at_a_late_layer() -> None:
     model = nn.Sequential(*[constant_linear(8, 8, 2.0) for _ in range(6)])
     report = run(model, torch.ones(1, 8))
     assert report.forward_origin is not None and report.forward_origin.module == "3"
-    assert report.findings.propagation == ["4", "5", "<root>"]
+    assert report.findings.propagation == ("4", "5", "<root>")
 
 
 def test_batch_with_nan_is_named_and_stops_there() -> None:
@@ -218,11 +218,18 @@ def test_scaler_is_only_read() -> None:
     assert scaler._scale is None and scaler.__dict__.keys() == before.keys()
 
 
-def test_deprecated_cuda_scaler_is_accepted() -> None:
+def test_deprecated_cuda_scaler_on_a_machine_without_cuda_is_said_first() -> None:
+    # The seed's loop (torch.cuda.amp.GradScaler + torch.cuda.amp.autocast) trains in float32 without scaling
+    # on a CPU-only machine: the report must say so in its first lines, and assume the scale CUDA would use.
     with pytest.warns(Warning):
         scaler = torch.cuda.amp.GradScaler()  # disabled without CUDA
     report = run(_backward_model(20.0), torch.ones(4, 64), scaler=scaler)
-    assert report.run.scale == 1.0 and "disabled" in report.run.scale_source
+    assert report.run.scale == 65536.0 and "disabled here" in report.run.scale_source
+    (fact,) = report.run.environment
+    assert "your own loop runs in float32 without loss scaling on this machine" in fact
+    lines = str(report).splitlines()
+    assert "your own loop runs in float32" in lines[2]  # right under the verdict and the run facts
+    assert report.verdict == "scale_overflow"  # what float16 at 65536 does: big's gradient 1280 * 65536 is inf
 
 
 def _weighted_sum(weights: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -263,7 +270,7 @@ def test_healthy_relu_net_reports_no_underflow() -> None:
     under = report.findings.underflow
     assert under is not None and under.reference == "float32 backward (autocast off)"
     assert under.lost == 0 and under.reference_nonzero > 0
-    assert report.findings.near_limit == [] and report.recommendations == []
+    assert report.findings.near_limit == () and report.recommendations == ()
     assert report.exit_code == 0
 
 
@@ -308,7 +315,7 @@ def test_inplace_relu_after_linear_on_3d_input() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
     report = run(model, torch.randn(2, 3, 8), loss_fn=lambda out, _: out.float().mean())
     assert report.verdict == "healthy"
-    assert report.findings.not_captured == []
+    assert report.findings.not_captured == ()
     linear0 = next(c for c in report.trace.calls if c.module == "0")
     events = [e for e in report.trace.grad_events if e.kind == "output" and e.call == linear0.index]
     assert events and events[0].via_base  # captured on the view's base: the view was modified in place
@@ -457,6 +464,6 @@ def test_activation_checkpointing_recompute_is_not_recorded_as_calls() -> None:
         "<root>", "blocks.0", "blocks.0.0", "blocks.0.1", "blocks.1", "blocks.1.0", "blocks.1.1",
         "blocks.2", "blocks.2.0", "blocks.2.1",
     ]
-    assert report.findings.not_captured == []
+    assert report.findings.not_captured == ()
     report = run(Net(1e6), torch.ones(4, 8), loss_fn=lambda out, _: out.float().mean())
     assert report.forward_origin is not None and report.forward_origin.label == "blocks.2.0"

@@ -129,7 +129,7 @@ def _assert_matmul_zoom(origin: Any, file_name: str, code_part: str) -> None:
     assert op is not None, "the op zoom found no op inside the origin"
     print("op zoom:", op.op, op.location)
     assert op.op in MATMUL_OPS, op.op
-    assert op.input_dtypes[:2] == ["float16", "float16"]
+    assert op.input_dtypes[:2] == ("float16", "float16")
     assert all(m is not None and m < FP16_MAX for m in op.input_abs_max), "the op's inputs were in range"
     assert op.output_posinf_count + op.output_neginf_count > 0, "the op made an inf"
     assert op.location is not None
@@ -213,7 +213,7 @@ def test_gpt2_same_model_is_healthy_in_bfloat16() -> None:
     assert report.forward_origin is None and report.backward_origin is None
     assert report.run.scale == 1.0  # bf16 needs no loss scale
     assert report.run.loss_source == "output.loss"
-    assert report.findings.near_limit == []
+    assert report.findings.near_limit == ()
     assert report.exit_code == 0
 
 
@@ -227,7 +227,7 @@ def test_gpt2_healthy_in_float16_with_causal_and_padding_mask() -> None:
 
     assert report.verdict == "healthy", report.to_text()
     assert report.forward_origin is None and report.backward_origin is None
-    assert report.findings.warnings == []
+    assert report.findings.warnings == ()
 
 
 # -- T5 -------------------------------------------------------------------------------------------------------
@@ -328,9 +328,9 @@ def test_bert_padding_mask_is_healthy(attn: str, mask_kind: str) -> None:
 
     assert report.verdict == "healthy", report.to_text()
     assert report.forward_origin is None and report.backward_origin is None
-    assert report.findings.propagation == []
-    assert report.findings.warnings == []
-    assert report.findings.not_captured == []
+    assert report.findings.propagation == ()
+    assert report.findings.warnings == ()
+    assert report.findings.not_captured == ()
     assert report.exit_code == 0
     if attn == "eager":  # the premise: the attention really received a finfo.min / -inf additive mask
         self_attn = _call(report, "bert.encoder.layer.0.attention.self")

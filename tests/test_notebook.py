@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "walkthrough.ipynb"
@@ -29,6 +30,7 @@ def test_notebook_is_stored_without_outputs() -> None:
     assert code and all(c.outputs == [] and c.execution_count is None for c in code)
 
 
+@pytest.mark.slow
 def test_walkthrough_runs_and_training_recovers() -> None:
     nb = nbformat.read(NOTEBOOK, as_version=4)
     start = time.monotonic()

@@ -58,4 +58,4 @@ def test_reference_at_a_chosen_depth() -> None:
 
 def test_reference_is_off_by_default() -> None:
     report = ampdoctor.diagnose(_model(torch.float16), torch.ones(4, 8), verify=False, scale_window=False)
-    assert report.findings.precision is None and report.trace.comparisons == []
+    assert report.findings.precision is None and report.trace.comparisons == ()

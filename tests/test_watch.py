@@ -216,8 +216,8 @@ def test_occasional_harmless_scale_overflows(tmp_path: Path) -> None:
     assert doctor.bundle_path is None and not list(tmp_path.iterdir())
     assert steps[0].captured and steps[5].captured  # the first skip of every run is captured
     assert steps[1].explained_by == 0
-    assert steps[0].nonfinite_params == ["0.weight"]
-    assert steps[0].nonfinite_grads == ["0", ""]  # sampled: the output gradient (of the layer, = the root)
+    assert steps[0].nonfinite_params == ("0.weight",)
+    assert steps[0].nonfinite_grads == ("0", "")  # sampled: the output gradient (of the layer, = the root)
     assert steps[2].grad_abs_max["0"] == 2.0  # unscaled: 2 * 16384 / 16384
     assert "4 skipped in 3 run(s) of skipped steps: 3 harmless, 0 persistent" in str(report)
 
@@ -406,7 +406,7 @@ def test_a_skip_on_an_unsampled_step_is_still_explained() -> None:
     steps = doctor.report().steps
     assert [s.skipped for s in steps] == [False, True, False]
     assert not steps[1].sampled and steps[1].captured
-    assert steps[1].backward_origin is not None and steps[1].nonfinite_params == ["0.weight"]
+    assert steps[1].backward_origin is not None and steps[1].nonfinite_params == ("0.weight",)
     assert steps[1].run == "harmless"
 
 

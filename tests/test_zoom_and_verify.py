@@ -43,7 +43,7 @@ def test_zoom_names_a_residual_add_between_two_children() -> None:
     origin = report.forward_origin
     assert origin is not None and origin.module == "" and origin.class_name == "Residual"
     assert origin.op is not None and origin.op.op == "aten::add.Tensor"
-    assert origin.op.input_abs_max == [40000.0, 40000.0]
+    assert origin.op.input_abs_max == (40000.0, 40000.0)
     assert origin.op.location is not None
     assert origin.op.location.code.startswith("y = self.left(x) + self.right(x)  # 40000 + 40000")
     # the origin is the whole model's own code: no fallback of the whole model is offered
@@ -69,7 +69,7 @@ def test_zoom_names_x_times_x_in_a_custom_norm() -> None:
     assert origin is not None and origin.module == "norm"
     assert origin.op is not None and origin.op.op == "aten::mul.Tensor"
     assert origin.op.location is not None and origin.op.location.code == "power = x * x"
-    assert origin.op.input_abs_max == [320.0, 320.0]  # 320 * 320 = 102400 > 65504
+    assert origin.op.input_abs_max == (320.0, 320.0)  # 320 * 320 = 102400 > 65504
 
 
 def test_mask_constant_too_large_for_float16() -> None:
@@ -143,7 +143,7 @@ def test_verification_loop_finds_exactly_the_two_origins() -> None:
     report = diagnose(model, torch.ones(2, 8), loss_fn=lambda out, _: out.float().mean())
     assert report.forward_origin is not None and report.forward_origin.module == "first"
     fallback = next(r for r in report.recommendations if r.action == "fp32_fallback")
-    assert fallback.modules == ["first", "second"]
+    assert fallback.modules == ("first", "second")
     assert fallback.verified
     assert "forward and backward finite" in fallback.evidence
     assert fallback.cost is not None and 0 < fallback.cost.fp32_matmul_flop_share < 1
@@ -177,7 +177,7 @@ def test_weights_already_inf_are_not_fixed_by_a_fallback() -> None:
     report = diagnose(model, torch.ones(2, 4), loss_fn=lambda out, _: out.float().mean())
     assert report.forward_origin is not None and report.forward_origin.module == "1"
     assert [r.action for r in report.recommendations] == ["fix_weights"]  # said plainly; no fallback offered
-    assert report.recommendations[0].modules == ["1"] and "1.weight" in report.recommendations[0].title
+    assert report.recommendations[0].modules == ("1",) and "1.weight" in report.recommendations[0].title
     assert report.modules[2].params[0].stats.posinf_count == 1  # the weight itself is reported
 
 
@@ -224,7 +224,7 @@ def test_bfloat16_forward_zoom() -> None:
     report = diagnose(nn.Sequential(WideMatmul(1e19)), torch.ones(1, 4, 16), dtype=torch.bfloat16)
     origin = report.forward_origin
     assert report.verdict == "overflow" and origin is not None and origin.module == "0"
-    assert origin.op is not None and origin.op.op == "aten::bmm" and origin.op.input_dtypes == ["bfloat16"] * 2
+    assert origin.op is not None and origin.op.op == "aten::bmm" and origin.op.input_dtypes == ("bfloat16",) * 2
     assert origin.op.location is not None and "self.q(x) @ self.k(x)" in origin.op.location.code
     assert report.run.scale == 1.0 and report.run.limits.dtype == "bfloat16"
 
@@ -251,5 +251,5 @@ def test_fallback_verified_when_norms_after_it_follow_its_float32_output() -> No
     report = diagnose(model, torch.ones(2, 3, 8, 8), loss_fn=lambda out, _: out.float().mean())
     assert report.forward_origin is not None and report.forward_origin.module == "0"
     fallback = next(r for r in report.recommendations if r.action == "fp32_fallback")
-    assert fallback.modules == ["0"] and fallback.verified
+    assert fallback.modules == ("0",) and fallback.verified
     assert "ran on its float32 output (1, 2)" in fallback.evidence

@@ -1,11 +1,18 @@
-"""``diagnose``: orchestrates capture passes, analysis and recommendations on the user's model."""
+"""``diagnose``: the orchestration of passes on the user's model, and nothing else.
+
+A survey pass first (mandatory: if it fails, the error is the answer); then only what the survey calls for, each
+pass optional: scale probes, an underflow reference, the loss-scale window, a detailed re-run with the op zoom,
+verification re-runs. An optional pass that raises (out of memory included) is recorded in ``report.run.passes``
+and the rest of the report stands on the passes that ran.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
-from collections.abc import Callable, Mapping
-from typing import Any, Optional, Union
+import time
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 from torch import nn
@@ -13,7 +20,17 @@ from torch import nn
 from ._version import __version__
 from .analysis import ScaleFinding, ScaleWindow, UnderflowFinding, analyze, forward_origin, near_limit
 from .analysis.scale import Runner, measure_window, probe_scales, underflow_reference
-from .capture.dtypes import model_device_type
+from .capture.checks import (
+    backward_note,
+    check_autocast_effect,
+    check_batch,
+    check_device,
+    check_model,
+    resolve_scale,
+    usable_batch,
+)
+from .capture.dtypes import dtype_name, model_device_type
+from .capture.emulate import should_emulate_cuda
 from .capture.model import unwrap_model
 from .capture.passes import LossFn, PassSpec, capture_params, run_pass
 from .capture.policy import autocast_note
@@ -22,34 +39,67 @@ from .capture.stats import format_limits
 from .errors import InvalidInput
 from .fixes.recommend import recommend
 from .fixes.verify import VerifyContext, verify_recommendations
-from .records import BATCH, LOSS, PassTrace, RunInfo
+from .records import BATCH, LOSS, ModuleInfo, PassRecord, PassTrace, Recommendation, RunInfo
 from .report import Report
-from .thresholds import DEFAULT_FP16_SCALE
+
+T = TypeVar("T")
 
 
-def _resolve_scale(scaler: Any, scale: Optional[float], dtype: torch.dtype) -> tuple[float, str]:
-    """The loss scale of the backward. The user's scaler is only read (``get_scale`` changes nothing)."""
-    if scale is not None:
-        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-            raise InvalidInput(f"scale must be a positive finite number, got {scale!r}")
-        return float(scale), "scale= argument"
-    if scaler is not None:
-        if not callable(getattr(scaler, "get_scale", None)):
-            raise InvalidInput(f"scaler must be a GradScaler (with get_scale()), got {type(scaler).__name__}")
-        enabled = getattr(scaler, "is_enabled", lambda: True)()
-        if not enabled:
-            return 1.0, "the given scaler is disabled: unscaled backward"
-        return float(scaler.get_scale()), "scaler.get_scale()"
-    if dtype == torch.float16:
-        return DEFAULT_FP16_SCALE, "GradScaler default; no scaler given"
-    return 1.0, "unscaled; bfloat16 needs no scaler"
+class _Session:
+    """The passes of one diagnosis: every pass starts from the same state and is logged with its purpose."""
 
+    def __init__(self, spec: PassSpec, guard: StateGuard) -> None:
+        self.spec = spec
+        self.guard = guard
+        self.log: list[PassRecord] = []
+        self.loss_sources: list[str] = []
+        self.purpose = "survey"
 
-def _describe_device(root: nn.Module, device_type: str) -> str:
-    param = next(root.parameters(), None)
-    if device_type == "cuda" and param is not None and param.is_cuda:
-        return f"cuda:{param.device.index} ({torch.cuda.get_device_name(param.device)})"
-    return device_type
+    def run(
+        self,
+        at_scale: float,
+        detailed: bool = False,
+        zoom: Optional[tuple[str, int]] = None,
+        autocast: bool = True,
+        backward_zoom: bool = False,
+        compare: Union[bool, int] = False,
+        dtype: Optional[torch.dtype] = None,
+    ) -> PassTrace:
+        spec = self.spec if dtype is None else dataclasses.replace(self.spec, dtype=dtype)
+        record = PassRecord(self.purpose, at_scale, dtype_name(spec.dtype) if autocast else "float32")
+        start = time.perf_counter()
+        self.guard.rewind()  # the same RNG draws, parameters and buffers for every pass: re-runs are identical
+        try:
+            trace, source = run_pass(spec, at_scale, detailed, zoom, autocast, backward_zoom, compare, self.guard)
+        except Exception as exc:
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            self.log.append(dataclasses.replace(record, status="failed", reason=reason,
+                                                seconds=time.perf_counter() - start))
+            raise
+        self.log.append(dataclasses.replace(record, seconds=time.perf_counter() - start))
+        self.loss_sources.append(source)
+        return trace
+
+    @contextlib.contextmanager
+    def stage(self, purpose: str) -> Iterator[None]:
+        before, self.purpose = self.purpose, purpose
+        try:
+            yield
+        finally:
+            self.purpose = before
+
+    def optional(self, purpose: str, step: Callable[[], T], fallback: T) -> T:
+        """Run an optional stage; if any of its passes raises, the stage is dropped (its failure is in the log,
+        its traceback and tensors released here) and ``fallback`` stands in."""
+        failed_before = sum(r.status == "failed" for r in self.log)
+        with self.stage(purpose):
+            try:
+                return step()
+            except Exception as exc:  # a pass's failure is logged by run(); anything else is logged here
+                if sum(r.status == "failed" for r in self.log) == failed_before:
+                    reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                    self.log.append(PassRecord(purpose, 0.0, "", "failed", reason))
+        return fallback
 
 
 def diagnose(
@@ -66,6 +116,7 @@ def diagnose(
     verify: bool = True,
     scale_window: bool = True,
     reference: Union[bool, int] = False,
+    policy: Optional[str] = None,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -90,125 +141,185 @@ def diagnose(
             whole model in float32.
         verify: prove each recommendation by re-running the step with it applied (float32 fallback of the
             origin, growing the set when a new origin appears; bfloat16; the safe loss scale).
+        policy: whose autocast op policy the passes follow: ``"native"`` (torch.autocast on ``device_type``) or
+            ``"cuda"`` (CUDA's op lists, emulated on CPU tensors: what CUDA would do, on a machine without a
+            GPU). Default: native, except that ``device_type="cuda"`` on a machine without CUDA emulates.
 
-    Nothing the user owns changes: parameters, buffers, ``.grad`` fields, ``training`` flags, RNG states and
-    the scaler are as before, and no hook stays behind. Each pass reads statistics back from the device once.
+    Nothing the user owns changes (see the README's promises): parameters, buffers, ``.grad`` fields,
+    ``training`` flags, RNG states and the scaler are as before, a backward the user built before the call still
+    runs, and no hook stays behind. Each pass reads statistics back from the device once.
     """
     if dtype not in (torch.float16, torch.bfloat16):
         raise InvalidInput(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-    if not isinstance(batch, (torch.Tensor, tuple, list, Mapping)):
-        raise InvalidInput(
-            f"batch must be a Tensor, a tuple/list of positional inputs or a dict of keyword inputs, "
-            f"got {type(batch).__name__}"
-        )
+    check_batch(batch)
     root, notes = unwrap_model(model)
+    check_model(root)
     device_type = device_type or model_device_type(root, batch)
-    used_scale, scale_source = _resolve_scale(scaler, scale, dtype)
-    limits = format_limits(dtype)
-    named = list(root.named_modules())
-    spec = PassSpec(
-        root=root,
-        names={id(m): name for name, m in named},
-        params=list(root.named_parameters()),
-        batch=batch,
-        loss_fn=loss_fn,
-        device_type=device_type,
-        dtype=dtype,
-        backward=backward,
+    if policy not in (None, "native", "cuda"):
+        raise InvalidInput(f"policy must be 'native' or 'cuda', got {policy!r}")
+    emulate = policy == "cuda" or (policy is None and should_emulate_cuda(device_type))
+    if not emulate:
+        check_device(device_type)
+    used_scale, scale_source, environment = resolve_scale(scaler, scale, dtype)
+    # Inside torch.inference_mode() autograd is off and tensors cannot be saved for backward: run with it off
+    # (the context puts the user's mode back), on normal copies of inference tensors.
+    with torch.inference_mode(False):
+        spec = PassSpec(
+            root=root,
+            names={id(m): name for name, m in root.named_modules()},
+            params=list(root.named_parameters()),
+            batch=usable_batch(batch),
+            loss_fn=loss_fn,
+            device_type="cpu" if emulate else device_type,
+            dtype=dtype,
+            backward=backward,
+            policy="cuda_emulated" if emulate else "native",
+        )
+        guard = StateGuard(root, spec.params)
+        try:
+            report = _diagnose(spec, guard, used_scale, scale_source, fp32_reference, scale_window, reference, verify)
+        finally:
+            guard.restore()
+    run = dataclasses.replace(
+        report.run,
+        notes=tuple(dict.fromkeys((*notes, *report.run.notes, *guard.notes))),
+        environment=tuple(environment),
     )
-    guard = StateGuard(root)
-    try:
-        modules = capture_params(spec, named)
+    return dataclasses.replace(report, run=run)
 
-        def run(
-            at_scale: float,
-            detailed: bool = False,
-            zoom: Optional[tuple[str, int]] = None,
-            autocast: bool = True,
-            backward_zoom: bool = False,
-            compare: Union[bool, int] = False,
-        ) -> PassTrace:
-            guard.rewind()  # the same RNG draws and buffers for every pass: re-runs are identical
-            trace, source = run_pass(spec, at_scale, detailed, zoom, autocast, backward_zoom, compare)
-            loss_sources.append(source)
-            return trace
 
-        loss_sources: list[str] = []
-        survey = run(used_scale, compare=reference)
-        origin = forward_origin(survey)
-        runner = Runner(lambda at_scale, autocast: run(at_scale, autocast=autocast), fp32_reference)
-        scale_finding: Optional[ScaleFinding] = None
-        underflow: Optional[UnderflowFinding] = None
-        window: Optional[ScaleWindow] = None
-        if origin is None and survey.backward_ran:
-            if not survey.gradients_finite():
-                scale_finding = probe_scales(runner, survey, modules)
-            else:
-                underflow = underflow_reference(runner, survey, modules, limits)
-            if scale_window and (scale_finding is None or scale_finding.largest_finite_scale is not None):
-                window = measure_window(runner, survey, modules, limits)
-        needs_detail = (
-            origin is not None
-            or scale_finding is not None
-            or (underflow is not None and underflow.lost > 0)
-            or bool(near_limit(survey, modules, limits))
-        )
-        final = survey
-        if needs_detail:
-            zoom = None
-            if origin is not None and origin.module != BATCH:
-                zoom = (LOSS, 0) if origin.module == LOSS else (origin.module, origin.call)
-            at_scale = used_scale
-            if scale_finding is not None and scale_finding.analysed_scale is not None:
-                at_scale = scale_finding.analysed_scale
-            final = run(at_scale, detailed=True, zoom=zoom, backward_zoom=scale_finding is not None)
-        if loss_sources[0] == "surrogate":
-            notes.append(
-                "no loss_fn given and the output has no loss: the backward used a surrogate loss (mean of the "
-                "floating outputs); pass loss_fn= for the real gradients"
+def _diagnose(
+    spec: PassSpec,
+    guard: StateGuard,
+    used_scale: float,
+    scale_source: str,
+    fp32_reference: bool,
+    scale_window: bool,
+    reference: Union[bool, int],
+    verify: bool,
+) -> Report:
+    session = _Session(spec, guard)
+    limits = format_limits(spec.dtype)
+    modules = capture_params(spec, [(name, m) for name, m in spec.root.named_modules()])
+    survey = _survey(session, used_scale, reference)
+    check_autocast_effect(survey, limits.dtype, "cuda" if spec.policy == "cuda_emulated" else spec.device_type)
+    origin = forward_origin(survey)
+    runner = Runner(lambda at_scale, autocast: session.run(at_scale, autocast=autocast), fp32_reference)
+    scale_finding: Optional[ScaleFinding] = None
+    underflow: Optional[UnderflowFinding] = None
+    window: Optional[ScaleWindow] = None
+    if origin is None and survey.backward_ran:
+        if not survey.gradients_finite():
+            scale_finding = session.optional("scale probe", lambda: probe_scales(runner, survey, modules), None)
+        else:
+            underflow = session.optional(
+                "underflow reference", lambda: underflow_reference(runner, survey, modules, limits), None
             )
-        run_info = RunInfo(
-            torch_version=torch.__version__,
-            ampdoctor_version=__version__,
-            device=_describe_device(root, device_type),
-            device_type=device_type,
-            limits=limits,
-            scale=used_scale,
-            scale_source=scale_source,
-            loss_source=loss_sources[0],
-            model_class=type(root).__name__,
-            autocast_note=autocast_note(device_type),
-            notes=notes,
-            huggingface=hasattr(type(root), "_keep_in_fp32_modules") and hasattr(root, "config"),
-        )
-        findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons)
-        recommendations = recommend(findings, run_info, modules)
-        if verify and recommendations:
-            check_scale = used_scale
-            if findings.forward_origin is None and scale_finding is not None and scale_finding.analysed_scale:
-                check_scale = scale_finding.analysed_scale
-            context = VerifyContext(
-                root=root,
-                modules=modules,
-                baseline=survey,
-                low_dtype=limits.dtype,
-                run=lambda at_scale: run(at_scale),
-                run_other_dtype=_bf16_runner(spec, guard, device_type) if dtype == torch.float16 else None,
+        if scale_window and (scale_finding is None or scale_finding.largest_finite_scale is not None):
+            window = session.optional(
+                "loss-scale window", lambda: measure_window(runner, survey, modules, limits), None
             )
-            recommendations = verify_recommendations(context, findings, recommendations, check_scale)
-    finally:
-        guard.rewind()
-    return Report(run_info, modules, final, findings, recommendations)
+    final = survey
+    if (
+        origin is not None
+        or scale_finding is not None
+        or (underflow is not None and underflow.lost > 0)
+        or near_limit(survey, modules, limits)
+    ):
+        zoom = None
+        if origin is not None and origin.module != BATCH:
+            zoom = (LOSS, 0) if origin.module == LOSS else (origin.module, origin.call)
+        at_scale = used_scale
+        if scale_finding is not None and scale_finding.analysed_scale is not None:
+            at_scale = scale_finding.analysed_scale
+        detail = lambda: session.run(at_scale, detailed=True, zoom=zoom, backward_zoom=scale_finding is not None)  # noqa: E731
+        # Without the detailed re-run the report stands on the survey (no op zoom, survey-level counts).
+        final = session.optional("detail and op zoom", detail, survey)
+    notes: list[str] = []
+    if session.loss_sources[0] == "surrogate" and survey.backward_ran:
+        notes.append(
+            "no loss_fn given and the output has no loss: the backward used a surrogate loss (mean of the "
+            "floating outputs); pass loss_fn= for the real gradients"
+        )
+    notes += [n for n in final.notes if n not in notes]
+    emulated = spec.policy == "cuda_emulated"
+    run_info = RunInfo(
+        torch_version=torch.__version__,
+        ampdoctor_version=__version__,
+        device="cpu (CUDA autocast policy, emulated)" if emulated else _describe_device(spec.root, spec.device_type),
+        device_type="cuda" if emulated else spec.device_type,
+        limits=limits,
+        scale=used_scale,
+        scale_source=scale_source,
+        loss_source=session.loss_sources[0],
+        model_class=type(spec.root).__name__,
+        autocast_note=autocast_note("cuda_emulated" if emulated else spec.device_type),
+        policy=spec.policy,
+        notes=tuple(notes),
+        huggingface=hasattr(type(spec.root), "_keep_in_fp32_modules") and hasattr(spec.root, "config"),
+        backward_checked=survey.backward_ran,
+        backward_note=backward_note(survey, spec.backward, spec.params),
+    )
+    cpu_policy = spec.policy == "native" and spec.device_type == "cpu"
+    findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy)
+    recommendations = recommend(findings, run_info, modules)
+    if verify and recommendations:
+        recommendations = _verify(session, modules, survey, findings, recommendations, used_scale, scale_finding)
+    run_info = dataclasses.replace(run_info, passes=tuple(session.log))
+    return Report(run_info, tuple(modules), final, findings, tuple(recommendations))
 
 
-def _bf16_runner(spec: PassSpec, guard: StateGuard, device_type: str) -> Optional[Callable[[float], PassTrace]]:
-    """A survey pass in bfloat16 autocast, where the device supports it."""
-    if device_type == "cuda" and not torch.cuda.is_bf16_supported():
-        return None
-    bf16_spec = dataclasses.replace(spec, dtype=torch.bfloat16)
+def _survey(session: _Session, used_scale: float, reference: Union[bool, int]) -> PassTrace:
+    """The first pass. With ``reference`` it also re-runs calls in float32; a module that cannot run in float32
+    (a float16-only kernel) costs the comparisons, not the diagnosis."""
+    if reference is False:
+        return session.run(used_scale)
+    with session.stage("survey with float32 references"):
+        try:
+            return session.run(used_scale, compare=reference)
+        except Exception:
+            pass  # in the log; the plain survey below is the diagnosis
+    return session.run(used_scale)
+
+
+def _verify(
+    session: _Session,
+    modules: list[ModuleInfo],
+    survey: PassTrace,
+    findings: Any,
+    recommendations: list[Recommendation],
+    used_scale: float,
+    scale_finding: Optional[ScaleFinding],
+) -> list[Recommendation]:
+    check_scale = used_scale
+    if findings.forward_origin is None and scale_finding is not None and scale_finding.analysed_scale:
+        check_scale = scale_finding.analysed_scale
+    bf16_ok = session.spec.dtype == torch.float16 and (
+        session.spec.device_type != "cuda" or torch.cuda.is_bf16_supported()
+    )
+
+    def run(at_scale: float) -> PassTrace:
+        with session.stage("verification"):
+            return session.run(at_scale)
 
     def run_bf16(at_scale: float) -> PassTrace:
-        guard.rewind()
-        return run_pass(bf16_spec, at_scale, detailed=False)[0]
+        with session.stage("verification in bfloat16"):
+            return session.run(at_scale, dtype=torch.bfloat16)
 
-    return run_bf16
+    context = VerifyContext(
+        root=session.spec.root,
+        modules=modules,
+        baseline=survey,
+        low_dtype=dtype_name(session.spec.dtype),
+        run=run,
+        run_other_dtype=run_bf16 if bf16_ok else None,
+        device_type="cuda" if session.spec.policy == "cuda_emulated" else session.spec.device_type,
+    )
+    return verify_recommendations(context, findings, recommendations, check_scale)
+
+
+def _describe_device(root: nn.Module, device_type: str) -> str:
+    param = next(root.parameters(), None)
+    if device_type == "cuda" and param is not None and param.is_cuda:
+        return f"cuda:{param.device.index} ({torch.cuda.get_device_name(param.device)})"
+    return device_type

@@ -1,19 +1,100 @@
-"""Typed, frozen records of one instrumented AMP step.
+"""Typed, frozen records of one instrumented AMP step, and of what ampdoctor recommends.
 
 Nothing here imports torch: a saved report can be re-analysed and re-rendered without it.
 Gradient statistics are stored *unscaled* (divided by the loss scale of their pass); counts are unaffected.
+Records hold tuples and :class:`FrozenMap` objects, never lists or dicts, so every record (a whole Report too)
+is hashable; records that may hold NaN compare NaN fields as equal, so ``Report.from_json(r.to_json()) == r``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Generic, Literal, Optional, TypeVar
 
 # A name for things outside any module: the loss function and the batch.
 LOSS = "<loss>"
 BATCH = "<batch>"
+
+# What the strings mean.
+Verdict = Literal["healthy", "overflow", "nan", "underflow", "scale_overflow"]
+Direction = Literal["forward", "backward"]
+GradKind = Literal["output", "input", "param"]  # a gradient w.r.t. a call's output or input, or a parameter's
+Action = Literal[
+    "fp32_fallback",  # run named modules in float32
+    "loss_scale",  # change GradScaler's scale
+    "bf16",  # autocast to bfloat16
+    "mask_constant",  # a fill constant that fits the format
+    "keep_in_fp32",  # Hugging Face _keep_in_fp32_modules
+    "fix_code",  # compute one op in float32 (the origin is the root's own code)
+    "fix_batch",  # the batch holds inf/NaN
+    "fix_loss",  # the loss function made it
+    "fix_weights",  # the weights are already non-finite
+]
+RunStatus = Literal["harmless", "persistent", "open"]  # a run of skipped training steps
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _nan_key(value: Any) -> Any:
+    """NaN as one canonical object, so that two NaNs compare (and hash) equal inside a record."""
+    return math.nan if isinstance(value, float) and value != value else value
+
+
+class FrozenMap(Mapping[K, V], Generic[K, V]):
+    """A read-only, hashable mapping for records (JSON: an object)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, items: Any = ()) -> None:
+        self._data: dict[K, V] = dict(items)
+
+    def __getitem__(self, key: K) -> V:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(frozenset((k, _nan_key(v)) for k, v in self._data.items()))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return len(self) == len(other) and all(
+            k in other and (_nan_key(v) is _nan_key(other[k]) or v == other[k]) for k, v in self._data.items()
+        )
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+
+class NanEq:
+    """Equality and hash over the compared fields, a NaN equal to a NaN (records of measured values).
+
+    Python 3.13 compares dataclass fields one by one (``nan == nan`` is False); a tuple of canonical NaNs
+    compares equal on every version.
+    """
+
+    __slots__ = ()
+
+    def _key(self) -> tuple[Any, ...]:
+        names = [f.name for f in dataclasses.fields(self) if f.compare]  # type: ignore[arg-type]
+        return tuple(_nan_key(getattr(self, name)) for name in names)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key() == other._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 @dataclass(frozen=True)
@@ -28,8 +109,8 @@ class FormatLimits:
     flush_threshold: float  # 0 < |x| <= this rounds to zero when cast (2**-25 for float16)
 
 
-@dataclass(frozen=True)
-class TensorStats:
+@dataclass(frozen=True, eq=False)
+class TensorStats(NanEq):
     """Statistics of one tensor.
 
     ``min``/``max`` are taken over all values, so they are NaN or infinite when the tensor is. Fields that are
@@ -154,7 +235,7 @@ class ParamRecord:
 class ModuleInfo:
     name: str  # "" is the root
     class_name: str
-    params: list[ParamRecord] = field(default_factory=list)  # the module's own parameters (recurse=False)
+    params: tuple[ParamRecord, ...] = ()  # the module's own parameters (recurse=False)
 
 
 @dataclass(frozen=True)
@@ -165,8 +246,8 @@ class ModuleCall:
     class_name: str
     parent: Optional[int]
     end_order: int  # order of completion
-    inputs: list[TensorRecord] = field(default_factory=list)
-    outputs: list[TensorRecord] = field(default_factory=list)
+    inputs: tuple[TensorRecord, ...] = ()
+    outputs: tuple[TensorRecord, ...] = ()
 
     @property
     def label(self) -> str:
@@ -186,7 +267,7 @@ class GradEvent:
     """
 
     order: int
-    kind: str
+    kind: GradKind
     stats: TensorStats  # unscaled
     call: Optional[int] = None
     path: str = ""
@@ -213,20 +294,20 @@ class OpFinding:
     op: str  # "aten::bmm"
     module: str
     call: int
-    input_dtypes: list[str]
-    input_abs_max: list[Optional[float]]
+    input_dtypes: tuple[str, ...]
+    input_abs_max: tuple[Optional[float], ...]
     output_dtype: str
     output_nan_count: int
     output_posinf_count: int
     output_neginf_count: int
     location: Optional[SourceLocation] = None
-    direction: str = "forward"
+    direction: Direction = "forward"
     node: Optional[str] = None
-    scalar_args: list[float] = field(default_factory=list)  # Python numbers passed to the op (fill constants)
+    scalar_args: tuple[float, ...] = ()  # Python numbers passed to the op (fill constants)
 
 
-@dataclass(frozen=True)
-class Comparison:
+@dataclass(frozen=True, eq=False)
+class Comparison(NanEq):
     """One call's low-precision output against the same call re-run in float32 on its own inputs."""
 
     module: str
@@ -248,15 +329,17 @@ class PassTrace:
 
     scale: float
     detailed: bool
-    calls: list[ModuleCall]
-    grad_events: list[GradEvent]
-    batch: list[TensorRecord]
-    output: list[TensorRecord]
+    calls: tuple[ModuleCall, ...]
+    grad_events: tuple[GradEvent, ...]
+    batch: tuple[TensorRecord, ...]
+    output: tuple[TensorRecord, ...]
     loss: Optional[TensorStats]
     backward_ran: bool
     op_finding: Optional[OpFinding] = None
     backward_op_finding: Optional[OpFinding] = None
-    comparisons: list[Comparison] = field(default_factory=list)  # diagnose(..., reference=True)
+    comparisons: tuple[Comparison, ...] = ()  # diagnose(..., reference=True)
+    notes: tuple[str, ...] = ()  # what went wrong inside this pass without stopping it
+    autocast: bool = True  # autocast was really in effect during the forward
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
@@ -265,13 +348,24 @@ class PassTrace:
         return all(e.stats.is_finite for e in self.grad_events)
 
     def forward_finite(self) -> bool:
-        return self.loss is not None and self.loss.is_finite and all(
-            r.stats.is_finite for r in self.output
+        """The loss and the model's outputs are finite."""
+        return self.loss is not None and self.loss.is_finite and all(r.stats.is_finite for r in self.output)
+
+    def forward_healthy(self) -> bool:
+        """Loss and outputs finite, and no call output with NaN or +inf (one holding only ``-inf`` may be a mask)."""
+        if not self.forward_finite():
+            return False
+        return not any(
+            r.stats.measured and (r.stats.has_nan or r.stats.has_posinf) for c in self.calls for r in c.outputs
         )
 
+    def healthy(self) -> bool:
+        """The one definition of a healthy pass: a healthy forward and, when the backward ran, finite gradients."""
+        return self.forward_healthy() and (not self.backward_ran or self.gradients_finite())
 
-@dataclass(frozen=True)
-class StepRecord:
+
+@dataclass(frozen=True, eq=False)
+class StepRecord(NanEq):
     """One optimizer step seen by ``ampdoctor.watch`` (gradient statistics unscaled, like everywhere else)."""
 
     step: int
@@ -282,20 +376,35 @@ class StepRecord:
     forward_finite: bool = True
     forward_origin: Optional[str] = None  # label of the forward origin call, when the step was captured
     backward_origin: Optional[str] = None
-    nonfinite_params: list[str] = field(default_factory=list)
+    nonfinite_params: tuple[str, ...] = ()
     new_scale: Optional[float] = None  # the scale after update()
     micro_batches: int = 0  # training forwards of the root module folded into this step (gradient accumulation)
     sampled: bool = False  # per-module statistics were taken on this step
     # Sampled steps: largest finite |x| per module over its low-precision outputs / output gradients (unscaled).
-    out_abs_max: dict[str, float] = field(default_factory=dict)
-    grad_abs_max: dict[str, float] = field(default_factory=dict)
-    nonfinite_outputs: list[str] = field(default_factory=list)  # modules with inf/NaN outputs, completion order
-    nonfinite_grads: list[str] = field(default_factory=list)  # modules with inf/NaN output gradients, backward order
+    out_abs_max: FrozenMap[str, float] = field(default_factory=FrozenMap)
+    grad_abs_max: FrozenMap[str, float] = field(default_factory=FrozenMap)
+    nonfinite_outputs: tuple[str, ...] = ()  # modules with inf/NaN outputs, completion order
+    nonfinite_grads: tuple[str, ...] = ()  # modules with inf/NaN output gradients, backward order
     local_nonfinite: bool = False  # this rank's own forward or pre-reduction gradients went non-finite
     captured: bool = False  # a full capture (diagnose of the failing inputs) ran on this step
-    capture_verdict: Optional[str] = None
+    capture_verdict: Optional[Verdict] = None
     explained_by: Optional[int] = None  # a skipped step not captured itself: the step whose capture explains it
-    run: Optional[str] = None  # in a run of skipped steps: "harmless", "persistent" or "open" (set by report())
+    run: Optional[RunStatus] = None  # in a run of skipped steps (set by report())
+
+
+PassStatus = Literal["ran", "failed", "skipped"]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One pass a diagnosis ran (or tried): what it was for, at which scale and dtype, and how it went."""
+
+    purpose: str  # "survey", "detail and op zoom", "scale probe", "float32 reference", ...
+    scale: float
+    dtype: str  # the autocast dtype, or "float32" for a pass with autocast off
+    status: PassStatus = "ran"
+    reason: str = ""  # why it failed or was skipped (one line)
+    seconds: float = field(default=0.0, compare=False)  # run-to-run: kept out of equality and golden files
 
 
 @dataclass(frozen=True)
@@ -312,8 +421,14 @@ class RunInfo:
     loss_source: str
     model_class: str
     autocast_note: str
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     huggingface: bool = False  # a transformers PreTrainedModel (has _keep_in_fp32_modules)
+    # Facts about this machine that change what the report means (shown first): a disabled scaler, ...
+    environment: tuple[str, ...] = ()
+    backward_checked: bool = True  # False: no gradient was computed (the report covers the forward only)
+    backward_note: str = ""  # why no gradient was computed
+    passes: tuple[PassRecord, ...] = ()
+    policy: str = "native"  # "native" (torch.autocast on device_type) or "cuda_emulated" (CUDA lists on CPU)
 
 
 @dataclass(frozen=True)
@@ -329,8 +444,8 @@ class Cost:
 class Recommendation:
     """One thing to change. ``modules`` names module calls' modules as in the report (``""`` is the root)."""
 
-    action: str  # "fp32_fallback", "loss_scale", "bf16", "mask_constant", "keep_in_fp32", "fix_code", ...
-    modules: list[str]
+    action: Action
+    modules: tuple[str, ...]
     title: str
     snippet: str
     verified: bool = False  # True only when a re-run with the change applied came out finite

@@ -6,9 +6,13 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, TypeVar, Union
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, Union
+
+from .records import FrozenMap
 
 T = TypeVar("T")
+
 
 def _encode_float(v: float) -> Union[float, str]:
     if math.isnan(v):
@@ -26,7 +30,7 @@ def to_plain(obj: Any) -> Any:
         return _encode_float(obj)
     if isinstance(obj, (list, tuple)):
         return [to_plain(v) for v in obj]
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         return {k: to_plain(v) for k, v in obj.items()}
     return obj
 
@@ -51,11 +55,17 @@ def from_plain(tp: Any, data: Any) -> Any:
         if len(items) == 2 and items[1] is Ellipsis:
             return tuple(from_plain(items[0], v) for v in data)
         return tuple(from_plain(a, v) for a, v in zip(items, data))
-    if origin is dict:
+    if origin is dict or origin is FrozenMap:
         _, value_tp = typing.get_args(tp)
-        return {k: from_plain(value_tp, v) for k, v in data.items()}
+        mapping = {k: from_plain(value_tp, v) for k, v in data.items()}
+        return FrozenMap(mapping) if origin is FrozenMap else mapping
+    if origin is Literal:
+        if data not in typing.get_args(tp):
+            raise ValueError(f"{data!r} is not one of {', '.join(map(repr, typing.get_args(tp)))}")
+        return data
     if tp is float:
-        return float(data)  # float("nan") / float("inf") decode the strings
+        value = float(data)  # float("nan") / float("inf") decode the strings
+        return math.nan if value != value else value
     return data
 
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Optional
 
+from ..capture.policy import cpu_policy_finding_note
 from ..records import (
     Comparison,
     FormatLimits,
     ModuleInfo,
     PassTrace,
+    Verdict,
 )
 from ..thresholds import HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
-from .findings import Findings, ScaleFinding, ScaleWindow, UnderflowFinding
+from .findings import Findings, Origin, ScaleFinding, ScaleWindow, UnderflowFinding
 from .headroom import near_limit
 from .origin import backward_origin, classify, forward_origin, not_captured, propagation
 from .precision import precision_finding
@@ -24,12 +28,19 @@ def analyze(
     underflow: Optional[UnderflowFinding] = None,
     scale: Optional[ScaleFinding] = None,
     window: Optional[ScaleWindow] = None,
-    comparisons: Optional[list[Comparison]] = None,
+    comparisons: Optional[Sequence[Comparison]] = None,
+    cpu_policy: bool = False,
 ) -> Findings:
-    """Findings of one (detailed) pass at the used scale, given the results of any re-runs."""
+    """Findings of one (detailed) pass at the used scale, given the results of any re-runs.
+
+    ``cpu_policy``: the passes ran under CPU autocast; an origin at an op CUDA runs in float32 then says so.
+    """
     fwd = forward_origin(trace)
+    verdict: Verdict
     bwd = backward_origin(trace, modules) if fwd is None else None
-    warnings = []
+    if cpu_policy:
+        fwd, bwd = _with_policy_note(fwd), _with_policy_note(bwd)
+    warnings: list[str] = []
     if fwd is not None:
         verdict = classify(fwd.bad, fwd.op)
     elif bwd is not None:
@@ -68,13 +79,22 @@ def analyze(
         verdict=verdict,
         forward_origin=fwd,
         backward_origin=bwd,
-        propagation=propagation(trace, fwd),
-        near_limit=near,
+        propagation=tuple(propagation(trace, fwd)),
+        near_limit=tuple(near),
         underflow=underflow,
         scale=scale,
-        not_captured=not_captured(trace),
-        warnings=warnings,
+        not_captured=tuple(not_captured(trace)),
+        warnings=tuple(warnings),
         window=window,
-        precision=precision_finding(comparisons or []),
+        precision=precision_finding(comparisons or ()),
     )
 
+
+
+def _with_policy_note(origin: Optional[Origin]) -> Optional[Origin]:
+    """The origin with the CPU-policy note when CUDA would run its op in float32 (a finding CUDA may not have)."""
+    if origin is None or origin.op is None:
+        return origin
+    kind = "overflow" if classify(origin.bad, origin.op) == "overflow" else "NaN"
+    note = cpu_policy_finding_note(origin.op.op, kind, origin.direction)
+    return dataclasses.replace(origin, policy_note=note) if note else origin

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from typing import Optional
 
 from ..records import (
     BATCH,
     LOSS,
     Comparison,
+    Direction,
+    FrozenMap,
     OpFinding,
     TensorStats,
+    Verdict,
     call_label,
 )
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 
-VERDICTS = ("healthy", "overflow", "nan", "underflow", "scale_overflow")
+VERDICTS: tuple[Verdict, ...] = typing.get_args(Verdict)
 
 # Ops whose non-finite result comes from a pole (log(0), 1/0), not from running out of range: "nan" verdict.
 POLE_OPS = frozenset(
@@ -28,7 +32,7 @@ POLE_OPS = frozenset(
 class Origin:
     """Where a non-finite value was first made: a module call, the loss function, or the batch itself."""
 
-    direction: str  # "forward" or "backward"
+    direction: Direction
     module: str  # qualified name; LOSS or BATCH outside the model
     call: int
     class_name: str
@@ -38,6 +42,8 @@ class Origin:
     op: Optional[OpFinding] = None
     exact: bool = True  # False when the rule could not place it and the first non-finite call is named instead
     event_order: Optional[int] = None  # backward: ``order`` of the gradient event that proves it
+    # Diagnosed under CPU autocast with an op CUDA runs in float32: this finding may not happen on CUDA.
+    policy_note: str = ""
 
     @property
     def label(self) -> str:
@@ -77,7 +83,7 @@ class UnderflowFinding:
     reference: str  # how the reference was made
     lost: int
     reference_nonzero: int
-    spots: list[UnderflowSpot] = field(default_factory=list)
+    spots: tuple[UnderflowSpot, ...] = ()
 
     @property
     def share(self) -> float:
@@ -95,7 +101,7 @@ class ScaleFinding:
     """Gradients non-finite at the used scale: at which lower power-of-two scale do they become finite?"""
 
     used_scale: float
-    probes: list[ScaleProbe]
+    probes: tuple[ScaleProbe, ...]
     largest_finite_scale: Optional[float]  # None: non-finite even at scale 1
     lost_share_at_largest: Optional[float]  # share of gradient values lost to zero at that scale
     # The lowest scale seen non-finite: the backward origin is placed there, where the first gradient to
@@ -125,8 +131,8 @@ class ScaleWindow:
     current: float
     max_safe: Optional[float]  # largest power of two with finite gradients (None: not even scale 1)
     min_useful: Optional[float]  # smallest power of two losing < 1 % (None: none does)
-    probes: list[WindowProbe]
-    module_min_useful: dict[str, float]  # per module with parameters: smallest probed scale losing < 1 %
+    probes: tuple[WindowProbe, ...]
+    module_min_useful: FrozenMap[str, float]  # per module with parameters: smallest probed scale losing < 1 %
     reference: str
 
     @property
@@ -145,24 +151,24 @@ class ScaleWindow:
 class PrecisionFinding:
     """Each compared call against its own float32 re-run (``diagnose(..., reference=True)``)."""
 
-    comparisons: list[Comparison]
+    comparisons: tuple[Comparison, ...]
     jump: Optional[str]  # the call whose relative error stands out (>= JUMP_FACTOR x the median), if any
-    underflow_calls: list[str]  # calls with outputs nonzero in float32 but zero in the low precision
+    underflow_calls: tuple[str, ...]  # calls with outputs nonzero in float32 but zero in the low precision
 
 
 # A call's relative error "jumps" when it is at least this many times the median over compared calls.
 
 @dataclass(frozen=True)
 class Findings:
-    verdict: str
+    verdict: Verdict
     forward_origin: Optional[Origin]
     backward_origin: Optional[Origin]
-    propagation: list[str]  # labels of calls after the origin with non-finite outputs, in completion order
-    near_limit: list[NearLimit]
+    propagation: tuple[str, ...]  # labels of calls after the origin with non-finite outputs, in completion order
+    near_limit: tuple[NearLimit, ...]
     underflow: Optional[UnderflowFinding]
     scale: Optional[ScaleFinding]
-    not_captured: list[str]  # calls whose output gradient was expected but never observed
-    warnings: list[str] = field(default_factory=list)
+    not_captured: tuple[str, ...]  # calls whose output gradient was expected but never observed
+    warnings: tuple[str, ...] = ()
     window: Optional[ScaleWindow] = None
     precision: Optional[PrecisionFinding] = None
 

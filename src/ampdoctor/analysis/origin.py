@@ -18,6 +18,7 @@ from ..records import (
     PassTrace,
     TensorRecord,
     TensorStats,
+    Verdict,
 )
 from .findings import POLE_OPS, Origin
 
@@ -72,7 +73,7 @@ def _max_abs(records: Iterable[TensorRecord]) -> Optional[float]:
     return max(values) if values else None
 
 
-def _children(calls: list[ModuleCall]) -> dict[int, list[ModuleCall]]:
+def _children(calls: Iterable[ModuleCall]) -> dict[int, list[ModuleCall]]:
     out: dict[int, list[ModuleCall]] = defaultdict(list)
     for c in calls:
         if c.parent is not None:
@@ -80,7 +81,7 @@ def _children(calls: list[ModuleCall]) -> dict[int, list[ModuleCall]]:
     return out
 
 
-def classify(bad: TensorStats, op: Optional[OpFinding]) -> str:
+def classify(bad: TensorStats, op: Optional[OpFinding]) -> Verdict:
     """``overflow`` when an inf was made by running out of range (NaN that follows counts), else ``nan``."""
     if op is not None:
         if op.op.split(".")[0] in POLE_OPS:

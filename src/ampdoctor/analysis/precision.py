@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Optional
 
 from ..records import (
@@ -14,7 +15,7 @@ from .findings import PrecisionFinding
 JUMP_FACTOR = 10.0
 
 
-def precision_finding(comparisons: list[Comparison]) -> Optional[PrecisionFinding]:
+def precision_finding(comparisons: Sequence[Comparison]) -> Optional[PrecisionFinding]:
     if not comparisons:
         return None
     errors = sorted(c.relative_error for c in comparisons if math.isfinite(c.relative_error))
@@ -23,6 +24,6 @@ def precision_finding(comparisons: list[Comparison]) -> Optional[PrecisionFindin
     jump = None
     if not math.isfinite(worst.relative_error) or worst.relative_error >= JUMP_FACTOR * max(median, 1e-12):
         jump = worst.label
-    return PrecisionFinding(comparisons, jump, [c.label for c in comparisons if c.underflow_count])
+    return PrecisionFinding(tuple(comparisons), jump, tuple(c.label for c in comparisons if c.underflow_count))
 
 

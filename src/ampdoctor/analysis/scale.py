@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Optional
 
-from ..records import FormatLimits, ModuleInfo, PassTrace
+from ..records import FormatLimits, FrozenMap, ModuleInfo, PassTrace
 from ..thresholds import MAX_REFERENCE_EXTRA_BITS, MIN_REFERENCE_EXTRA_BITS, SCALE_WINDOW_LOSS_SHARE
 from .findings import ScaleFinding, ScaleProbe, ScaleWindow, UnderflowFinding, WindowProbe
 from .underflow import lost_gradients
@@ -62,7 +62,7 @@ class Runner:
 
     def finite(self, scale: float) -> bool:
         trace = self(scale)
-        return trace.gradients_finite() and trace.forward_finite()
+        return trace.healthy()
 
     def runs(self) -> list[PassTrace]:
         return list(self._cache.values())
@@ -92,9 +92,9 @@ def probe_scales(runner: Runner, survey: PassTrace, modules: list[ModuleInfo]) -
         return ok
 
     if used <= 1:
-        return ScaleFinding(used, probes, None, None, used)
+        return ScaleFinding(used, tuple(probes), None, None, used)
     if not finite_at(0):
-        return ScaleFinding(used, probes, None, None, 1.0)
+        return ScaleFinding(used, tuple(probes), None, None, 1.0)
     top = math.ceil(math.log2(used))  # 2**top >= used: known (or assumed) non-finite
     low, high = bisect_exponents(0, top, finite_at)
     best = runner(2.0**low)
@@ -107,7 +107,7 @@ def probe_scales(runner: Runner, survey: PassTrace, modules: list[ModuleInfo]) -
     lost = lost_gradients(best, references, modules, reference)
     lowest_bad = 2.0**high if high < top else used
     probes.sort(key=lambda p: p.scale)
-    return ScaleFinding(used, probes, 2.0**low, lost.share if lost else None, lowest_bad)
+    return ScaleFinding(used, tuple(probes), 2.0**low, lost.share if lost else None, lowest_bad)
 
 
 def underflow_reference(
@@ -145,7 +145,7 @@ def measure_window(
         scale = 2.0**exponent
         if scale not in probes:
             trace = runner(scale)
-            finite = trace.gradients_finite() and trace.forward_finite()
+            finite = trace.healthy()
             lost = lost_gradients(trace, [reference], modules, FP32_REFERENCE) if finite else None
             probes[scale] = WindowProbe(scale, finite, lost.share if lost else (0.0 if finite else None))
         return probes[scale]
@@ -187,7 +187,7 @@ def measure_window(
         current=survey.scale,
         max_safe=max_safe,
         min_useful=min_useful,
-        probes=sorted(probes.values(), key=lambda p: p.scale),
-        module_min_useful=per_module,
+        probes=tuple(sorted(probes.values(), key=lambda p: p.scale)),
+        module_min_useful=FrozenMap(per_module),
         reference=FP32_REFERENCE,
     )

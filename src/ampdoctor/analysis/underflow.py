@@ -40,5 +40,5 @@ def lost_gradients(
         return None
     spots = [UnderflowSpot(m, lost_by_module[m], ref_by_module[m]) for m in ref_by_module if lost_by_module[m]]
     spots.sort(key=lambda s: (-s.share, -s.lost))
-    return UnderflowFinding(reference, sum(lost_by_module.values()), sum(ref_by_module.values()), spots)
+    return UnderflowFinding(reference, sum(lost_by_module.values()), sum(ref_by_module.values()), tuple(spots))
 

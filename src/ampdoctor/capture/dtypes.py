@@ -55,6 +55,12 @@ def model_device_type(model: nn.Module, fallback: Any = None) -> str:
     return "cpu"
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is really on for ``device_type`` here (``torch.autocast("cuda")`` on a machine without
+    CUDA warns once and stays off)."""
+    return autocast_dtype(device_type) is not None
+
+
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     """The autocast dtype in force for ``device_type`` right now, or None when autocast is off."""
     try:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..records import GradKind
 from .reference import FloatReference
 from .state import RngState
 from .stats import StatsCollector
@@ -36,7 +37,7 @@ class _OpenCall:
 @dataclass
 class _GradSeen:
     order: int
-    kind: str
+    kind: GradKind
     slot: int
     call: Optional[int]
     path: str
@@ -192,7 +193,7 @@ class Recorder:
             pass
 
     # backward
-    def _grad_hook(self, t: torch.Tensor, kind: str, index: int, path: str) -> None:
+    def _grad_hook(self, t: torch.Tensor, kind: GradKind, index: int, path: str) -> None:
         via_base = False
 
         def receive(g: torch.Tensor) -> None:

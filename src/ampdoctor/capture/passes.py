@@ -18,8 +18,11 @@ from torch import nn
 
 from ..errors import AmpDoctorError, InternalError, InvalidInput, ModelRaised
 from ..records import LOSS, GradEvent, ModuleCall, ModuleInfo, ParamRecord, PassTrace, TensorRecord, TensorStats
+from .dtypes import autocast_enabled
+from .emulate import cuda_autocast, installed_cuda_policy
 from .hooks import Recorder
 from .reference import FloatReference
+from .state import StateGuard
 from .stats import StatsCollector
 from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
@@ -36,9 +39,17 @@ class PassSpec:
     params: list[tuple[str, nn.Parameter]]  # unique, by canonical name
     batch: Any
     loss_fn: Optional[LossFn]
-    device_type: str
+    device_type: str  # where the tensors are (the autocast device, unless the policy is emulated)
     dtype: torch.dtype
     backward: bool
+    # "native": torch.autocast(device_type); "cuda_emulated": CUDA's op policy on CPU tensors (capture.emulate)
+    policy: str = "native"
+
+
+def _autocast(spec: PassSpec, enabled: bool) -> Any:
+    if spec.policy == "cuda_emulated":
+        return cuda_autocast(spec.dtype, enabled=enabled)
+    return torch.autocast(spec.device_type, dtype=spec.dtype, enabled=enabled)
 
 
 def resolve_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> tuple[torch.Tensor, str]:
@@ -74,6 +85,7 @@ def run_pass(
     autocast: bool = True,
     backward_zoom: bool = False,
     reference: Union[bool, int] = False,
+    guard: Optional[StateGuard] = None,
 ) -> tuple[PassTrace, str]:
     """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
 
@@ -82,8 +94,9 @@ def run_pass(
     made the first non-finite gradient. ``reference`` (True: leaf modules; an int n: the modules n levels down)
     compares each chosen call against a float32 re-run of that call alone.
 
-    The caller rewinds RNG and buffers before each pass. Gradients are taken with ``torch.autograd.grad`` so no
-    ``.grad`` field is touched.
+    The caller rewinds RNG and buffers before each pass (``guard``); the forward runs under the guard's
+    copy-on-write of parameters. Gradients are taken with ``torch.autograd.grad`` so no ``.grad`` field is
+    touched.
     """
     collector = StatsCollector(spec.dtype, detailed)
     modules = [m for m in spec.root.modules()]
@@ -100,10 +113,15 @@ def run_pass(
     # time (nothing here forms cycles that need it before the pass ends).
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    writes = guard.guard_writes() if guard is not None else contextlib.nullcontext()
+    # The emulated CUDA policy stays installed for the backward too (checkpoint recomputes run under it).
+    emulation = installed_cuda_policy() if spec.policy == "cuda_emulated" else contextlib.nullcontext()
+    autocast_on = False
     try:
         recorder.install(spec.params)
-        with torch.enable_grad(), _anomaly(backward_zoom):
-            with torch.autocast(spec.device_type, dtype=spec.dtype, enabled=autocast):
+        with torch.enable_grad(), _anomaly(backward_zoom), emulation as emulated:
+            with _autocast(spec, autocast), writes:
+                autocast_on = autocast_enabled("cpu" if spec.policy == "cuda_emulated" else spec.device_type)
                 try:
                     output = call_model(spec.root, spec.batch)
                 except Exception as exc:
@@ -158,22 +176,26 @@ def run_pass(
     trace = _build_trace(recorder, stats, scale, detailed, batch_slots, output_slots, loss_slot, backward_ran)
     finding = loss_zoom.finding if loss_zoom is not None else (recorder.zoom.finding if recorder.zoom else None)
     backward_finding = back_zoom.finding if back_zoom is not None else None
-    comparisons = float_reference.records() if float_reference is not None else []
+    comparisons = tuple(float_reference.records()) if float_reference is not None else ()
+    zooms = (("forward", loss_zoom or recorder.zoom), ("backward", back_zoom))
+    notes = tuple(f"the {kind} op zoom could not inspect {z.error}" for kind, z in zooms if z is not None and z.error)
+    if emulated is not None:
+        notes += tuple(emulated.notes())
     trace = dataclasses.replace(
-        trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons
+        trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
+        autocast=autocast_on,
     )
     return trace, loss_source
 
 
 @contextlib.contextmanager
 def _anomaly(enabled: bool) -> Iterator[None]:
-    """Anomaly mode records every autograd node's forward stack; only the backward zoom needs it."""
-    if not enabled:
-        yield
-        return
+    """Anomaly mode exactly as the pass needs it, whatever the user set: on (forward stacks recorded) only for
+    the backward zoom, and never ``check_nan``, which would raise on the very gradients being diagnosed. The
+    user's setting (``check_nan`` included) is back afterwards."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
-        with torch.autograd.detect_anomaly(check_nan=False):
+        with torch.autograd.set_detect_anomaly(enabled, check_nan=False):
             yield
 
 
@@ -195,8 +217,8 @@ def _build_trace(
             class_name=c.class_name,
             parent=c.parent,
             end_order=c.end_order,
-            inputs=[TensorRecord(p, stats[s], rg, prod, s, prod_path) for p, s, rg, prod, prod_path in c.inputs],
-            outputs=[TensorRecord(p, stats[s], rg, None, s) for p, s, rg in c.outputs],
+            inputs=tuple(TensorRecord(p, stats[s], rg, prod, s, prod_path) for p, s, rg, prod, prod_path in c.inputs),
+            outputs=tuple(TensorRecord(p, stats[s], rg, None, s) for p, s, rg in c.outputs),
         )
         for c in recorder.calls
     ]
@@ -219,10 +241,10 @@ def _build_trace(
     return PassTrace(
         scale=scale,
         detailed=detailed,
-        calls=calls,
-        grad_events=events,
-        batch=[TensorRecord(p, stats[s], rg) for p, s, rg in batch_slots],
-        output=[TensorRecord(p, stats[s], rg) for p, s, rg in output_slots],
+        calls=tuple(calls),
+        grad_events=tuple(events),
+        batch=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in batch_slots),
+        output=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in output_slots),
         loss=stats[loss_slot],
         backward_ran=backward_ran,
     )
@@ -238,6 +260,6 @@ def capture_params(spec: PassSpec, modules: list[tuple[str, nn.Module]]) -> list
         layout.append((name, type(module).__name__, [(pname, collector.add(p), p.requires_grad) for pname, p in own]))
     stats = collector.read()
     return [
-        ModuleInfo(name, class_name, [ParamRecord(pname, stats[slot], rg) for pname, slot, rg in params])
+        ModuleInfo(name, class_name, tuple(ParamRecord(pname, stats[slot], rg) for pname, slot, rg in params))
         for name, class_name, params in layout
     ]

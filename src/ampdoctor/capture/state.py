@@ -12,7 +12,9 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 def _cuda_ready() -> bool:
@@ -87,37 +89,188 @@ class RngState:
         )
 
 
-class StateGuard:
-    """Saves what a forward may change (RNG streams, buffers, train/eval flags) and puts it back exactly.
+# Dunder methods that write their first operand in place (``w += 1``, ``w[0] = 1``).
+_INPLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+                            "rshift", "matmul")
+) | {"__setitem__", "__set__"}
+# Fingerprints read tensors in chunks of this many elements (no full-size temporaries).
+_FINGERPRINT_CHUNK = 1 << 22
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-    Parameters and ``.grad`` are never written by a pass (gradients are taken with ``torch.autograd.grad``),
-    so they need no copy.
+
+# torch.nn.functional calls that write their weight in place inside (a TorchFunctionMode sees only the outer
+# call): (position of the weight, position of max_norm) of F.embedding and F.embedding_bag.
+_FUNCTIONAL_WRITERS = {F.embedding: (1, 3), F.embedding_bag: (1, 4)}
+
+
+def written_tensor(func: Any, args: Any, kwargs: Any) -> Optional[torch.Tensor]:
+    """The tensor a torch function writes in place (``x.clamp_()``, ``torch.embedding_renorm_(w, ...)``,
+    ``w[i] = v``, ``out=``, ``F.embedding(..., max_norm=...)``), or None."""
+    out = kwargs.get("out") if kwargs else None
+    if isinstance(out, torch.Tensor):
+        return out
+    writer = _FUNCTIONAL_WRITERS.get(func)
+    if writer is not None:
+        weight_at, max_norm_at = writer
+        weight = args[weight_at] if len(args) > weight_at else kwargs.get("weight")
+        max_norm = args[max_norm_at] if len(args) > max_norm_at else kwargs.get("max_norm")
+        return weight if max_norm is not None and isinstance(weight, torch.Tensor) else None
+    name = getattr(func, "__name__", "")
+    inplace = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+    if inplace and args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return None
+
+
+def _storage_key(t: torch.Tensor) -> Optional[int]:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without a storage (meta, some subclasses)
+        return None
+    return ptr or None
+
+
+def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Two integer checksums of each tensor's bytes (sum of the bit patterns, and of their squares), computed in
+    chunks on the tensor's device and read back once: a cheap test that nothing wrote a tensor."""
+    sums: list[torch.Tensor] = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0 or flat.is_complex() or flat.device.type == "meta":
+            sums.append(torch.zeros(2, dtype=torch.int64))
+            continue
+        bits = flat.view(_INT_OF_SIZE[flat.element_size()]) if flat.element_size() in _INT_OF_SIZE else flat
+        total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+        for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
+            chunk = bits[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
+            total += torch.stack((chunk.sum(), (chunk * chunk).sum()))
+        sums.append(total.cpu())
+    if not sums:
+        return []
+    return [(int(a), int(b)) for a, b in torch.stack(sums).tolist()]
+
+
+class _WriteGuard(TorchFunctionMode):
+    """Copy-on-write for parameters: the first in-place write to a parameter's storage during a pass keeps a
+    copy of the parameter first (a TorchFunctionMode costs little per op, unlike a dispatch mode)."""
+
+    def __init__(self, guard: StateGuard) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        target = written_tensor(func, args, kwargs)
+        if target is not None:
+            self.guard.before_write(target)
+        return func(*args, **kwargs)
+
+
+class StateGuard:
+    """Keeps everything a pass could change of the user's model as it was.
+
+    - RNG streams: rewound before every pass and at the end (re-runs draw the same dropout masks).
+    - Buffers: every pass runs on fresh working copies (BatchNorm statistics, lazily filled caches, buffers a
+      forward adds); the user's own buffer tensors are put back at the end, never written, so their version
+      counters do not move and a backward the user built before ``diagnose`` still runs.
+    - Parameters: copy-on-write. A forward that writes a parameter in place (``nn.Embedding(max_norm=...)``,
+      ``weight.clamp_()``, writes through ``.data``) has it copied just before the write and restored after
+      the pass, with its version counter set back (a private torch API; without it the report says so).
+      Fingerprints before and after catch writes that no Python-level op made (C++ extensions): those are
+      named in the notes as not restored.
+    - ``training`` flags.
     """
 
-    def __init__(self, model: nn.Module, rng: Optional[RngState] = None) -> None:
+    def __init__(
+        self, model: nn.Module, params: list[tuple[str, nn.Parameter]], rng: Optional[RngState] = None
+    ) -> None:
         self.rng = rng or RngState.capture()
-        self.buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        # Which buffer names each module had (None entries included): a forward that fills a lazy cache
+        self.modules = list(model.modules())
+        # Which buffers each module had (None entries included), by object: a forward that fills a lazy cache
         # (register_buffer("cache", None), then set in forward) or adds a buffer is undone too.
-        self.buffer_names = [(m, dict(m._buffers)) for m in model.modules()]
-        for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    self.buffers.append((module, name, buf, buf.detach().clone()))
-        self.training = [(m, m.training) for m in model.modules()]
+        self.buffer_names = [(m, dict(m._buffers)) for m in self.modules]
+        self.originals = {id(b): b for _, names in self.buffer_names for b in names.values() if b is not None}
+        self.training = [(m, m.training) for m in self.modules]
+        self.params = params
+        self.versions = {id(p): p._version for _, p in params}
+        self.names = {id(p): name for name, p in params}
+        self.storages: dict[int, nn.Parameter] = {}
+        for _, p in params:
+            key = _storage_key(p)
+            if key is not None:
+                self.storages.setdefault(key, p)
+        self.saved: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self.notes: list[str] = []
+        self._fingerprints = fingerprints(self._watched())
 
+    def _watched(self) -> list[torch.Tensor]:
+        return [p for _, p in self.params] + list(self.originals.values())
+
+    # -- parameters -----------------------------------------------------------------------------------------
+    def before_write(self, target: torch.Tensor) -> None:
+        key = _storage_key(target)
+        param = self.storages.get(key) if key is not None else None
+        if param is not None and id(param) not in self.saved:
+            self.saved[id(param)] = (param, param.detach().clone())
+
+    def guard_writes(self) -> _WriteGuard:
+        """The context a pass's forward runs in: parameters written in place are copied first."""
+        return _WriteGuard(self)
+
+    def _restore_params(self) -> None:
+        if not self.saved:
+            return
+        setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+        with torch.no_grad():
+            for param, copy in self.saved.values():
+                param.copy_(copy)
+        if setter is not None:
+            written = [p for p, _ in self.saved.values()]
+            setter(tuple(written), tuple(self.versions[id(p)] for p in written))
+        else:
+            note = (
+                "the forward wrote parameters in place; ampdoctor restored their values, but this torch has no "
+                "way to set their version counters back: a backward built before diagnose may refuse to run"
+            )
+            if note not in self.notes:
+                self.notes.append(note)
+        written_names = ", ".join(self.names[id(p)] for p, _ in self.saved.values())
+        note = f"the forward writes parameters in place ({written_names}); each pass ran on their original values"
+        if note not in self.notes:
+            self.notes.append(note)
+
+    # -- passes ---------------------------------------------------------------------------------------------
     def rewind(self) -> None:
+        """Before each pass: the same RNG draws, the original parameters, fresh copies of the buffers."""
         self.rng.restore()
+        self._restore_params()
+        copies = {key: b.detach().clone() for key, b in self.originals.items()}
+        self._put_buffers(copies)
+        for module, flag in self.training:
+            module.training = flag
+
+    def restore(self) -> None:
+        """At the end: the user's own buffer tensors, parameters, flags and RNG, exactly as they were."""
+        self.rng.restore()
+        self._restore_params()
+        self._put_buffers(self.originals)
+        for module, flag in self.training:
+            module.training = flag
+        after = fingerprints(self._watched())
+        names = [name for name, _ in self.params] + [
+            f"buffer {name}" for m, names in self.buffer_names for name, b in names.items() if b is not None
+        ]
+        changed = [n for n, a, b in zip(names, self._fingerprints, after) if a != b]
+        if changed:
+            self.notes.append(
+                f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} changed during the diagnosis by "
+                "code ampdoctor could not intercept (no Python-level op wrote it): NOT restored"
+            )
+
+    def _put_buffers(self, tensors: dict[int, torch.Tensor]) -> None:
         for module, before in self.buffer_names:
             for name in [n for n in module._buffers if n not in before]:
                 del module._buffers[name]
             for name, value in before.items():
-                if value is None:
-                    module._buffers[name] = None
-        with torch.no_grad():
-            for module, name, original, saved in self.buffers:
-                if module._buffers.get(name) is not original:  # a forward that re-assigned the buffer
-                    module._buffers[name] = original
-                original.copy_(saved)
-        for module, flag in self.training:
-            module.training = flag
+                module._buffers[name] = None if value is None else tensors[id(value)]

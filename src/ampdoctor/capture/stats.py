@@ -109,6 +109,9 @@ class StatsCollector:
         if not x.is_floating_point() or x.numel() == 0 or x.is_complex():
             self._slots.append(_Slot(dtype_name(x.dtype), shape, None, -1, False))
             return len(self._slots) - 1
+        dtype = dtype_name(x.dtype)
+        if x.element_size() == 1:  # float8: few kernels support it; its values are exact in float32
+            x = x.float()
         device = x.device
         per_device = self._values.setdefault(device, {})
         values = self._detail(x) if detailed else self._survey(x)
@@ -119,7 +122,7 @@ class StatsCollector:
         prefix = "d:" if detailed else "s:"
         for name, value in zip(DETAIL_FIELDS if detailed else SURVEY_FIELDS, values):
             per_device.setdefault(prefix + name, []).append(value)
-        self._slots.append(_Slot(dtype_name(x.dtype), shape, device, position, detailed))
+        self._slots.append(_Slot(dtype, shape, device, position, detailed))
         return len(self._slots) - 1
 
     @staticmethod

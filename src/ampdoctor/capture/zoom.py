@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..records import OpFinding, SourceLocation
+from ..records import Direction, OpFinding, SourceLocation
 from .dtypes import dtype_name
 from .stats import measuring
 from .walk import floating_leaves
@@ -30,33 +30,33 @@ _OWN_DIR = Path(__file__).resolve().parent.parent
 # ampdoctor's own model code (the demo) is user code for the zoom; the rest of the package is not.
 _OWN_MODEL_FILES = frozenset({_OWN_DIR / "demo.py"})
 
+_ENTRY = _OWN_DIR / "capture" / "walk.py"  # call_model: where a pass enters the user's model
+
+
 def _frame_kind(filename: str) -> str:
-    """"model" (user or library code: a candidate), "skip" (torch, <frozen ...>) or "stop" (ampdoctor itself)."""
+    """"model" (user or library code: a candidate), "skip" (torch, ampdoctor's hooks and modes, <frozen ...>) or
+    "stop" (where ampdoctor's pass called the model: beyond it lies the caller of ``diagnose``)."""
     if filename.startswith("<"):
         return "skip"
     path = Path(filename).resolve()
-    if path.is_relative_to(_OWN_DIR) and path not in _OWN_MODEL_FILES:
+    if path == _ENTRY:
         return "stop"
-    if path.is_relative_to(_TORCH_DIR):
+    if (path.is_relative_to(_OWN_DIR) and path not in _OWN_MODEL_FILES) or path.is_relative_to(_TORCH_DIR):
         return "skip"
     return "model"
 
 
 def _innermost_model_frame(frames: Iterable[tuple[str, int, str, str]]) -> Optional[SourceLocation]:
-    """Walk (file, line, function, code) frames from the innermost outward; give up at ampdoctor's own frames.
+    """Walk (file, line, function, code) frames from the innermost outward to the first frame of model code.
 
-    The innermost ampdoctor frames (the zoom asking) are passed over; an ampdoctor frame further out is the
-    pass that called the model, and past it lies the caller of ``diagnose`` (a training loop), not model
-    code: a model without a Python forward of its own (``nn.Sequential``) has no line to name.
+    ampdoctor's own frames on the way (the zoom asking, a hook, a mode, a float32 fallback wrapper) are passed
+    over; the frame where the pass called the model ends the walk: past it lies the caller of ``diagnose`` (a
+    training loop), not model code, so a model without a Python forward (``nn.Sequential``) has no line.
     """
-    leading = True
     for filename, line, function, code in frames:
         kind = _frame_kind(filename)
         if kind == "stop":
-            if leading:
-                continue
             return None
-        leading = False
         if kind == "model":
             return SourceLocation(filename, line, function, code.strip())
     return None
@@ -79,21 +79,22 @@ class _Zoom(TorchDispatchMode):
     counts as creation and where the op's source line is. ampdoctor's own statistics ops are ignored.
     """
 
-    direction = "forward"
+    direction: Direction = "forward"
 
     def __init__(self, module: str, call: int) -> None:
         super().__init__()
         self.module = module
         self.call = call
         self.finding: Optional[OpFinding] = None
+        self.error: Optional[str] = None  # why inspecting an op failed (reported in the pass's notes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if self.finding is None and not measuring():
             try:
                 self._inspect(func, args, kwargs or {}, out)
-            except Exception:  # the zoom is best effort; never break the user's step
-                pass
+            except Exception as exc:  # the zoom is best effort: never break the user's step, but say so
+                self.error = self.error or f"{_op_name(func)}: {type(exc).__name__}: {exc}"
         return out
 
     def _inspect(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -115,8 +116,8 @@ class _Zoom(TorchDispatchMode):
             op=_op_name(func),
             module=self.module,
             call=self.call,
-            input_dtypes=[dtype_name(t.dtype) for t in inputs],
-            input_abs_max=abs_max,
+            input_dtypes=tuple(dtype_name(t.dtype) for t in inputs),
+            input_abs_max=tuple(abs_max),
             output_dtype=dtype_name(outputs[0].dtype),
             output_nan_count=nan,
             output_posinf_count=posinf,
@@ -124,7 +125,7 @@ class _Zoom(TorchDispatchMode):
             location=location,
             direction=self.direction,
             node=node,
-            scalar_args=[float(v) for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)],
+            scalar_args=tuple(float(v) for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)),
         )
 
     def _creates(
@@ -178,7 +179,7 @@ class BackwardZoom(_Zoom):
     forward for the forward line.
     """
 
-    direction = "backward"
+    direction: Direction = "backward"
 
     def __init__(self) -> None:
         super().__init__("", 0)

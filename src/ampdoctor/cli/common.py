@@ -43,7 +43,7 @@ def render(report: Report, fmt: str) -> str:
     if fmt == "json":
         return report.to_json(indent=2)
     if fmt == "markdown":
-        from ..report.text import render_markdown  # moves to ampdoctor.report.markdown with the lead's renderer
+        from ..report.markdown import render_markdown
 
         return render_markdown(report)
     if fmt == "html":

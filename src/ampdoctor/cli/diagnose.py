@@ -209,9 +209,9 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
     run = dataclasses.replace(
         run,
         scale_source=scale_source or run.scale_source,
-        notes=[*run.notes, *notes, *_saved_from_cuda(loaded.saved_on, device.type)],
+        notes=(*run.notes, *notes, *_saved_from_cuda(loaded.saved_on, device.type)),
     )
-    findings = dataclasses.replace(report.findings, warnings=[*report.findings.warnings, *_cuda_fp32_warning(report)])
+    findings = dataclasses.replace(report.findings, warnings=(*report.findings.warnings, *_cuda_fp32_warning(report)))
     return dataclasses.replace(report, run=run, findings=findings)
 
 

@@ -33,7 +33,7 @@ def _fallback(origin: Origin, run: RunInfo, why: str) -> Recommendation:
             where = f" at {loc.file}:{loc.line} ({loc.code})"
         return Recommendation(
             action="fix_code",
-            modules=[],
+            modules=(),
             title=f"<root> ({origin.class_name}): {why}{where}; a float32 fallback would cover the whole model, "
             "so compute that op in float32 (or rescale it) instead",
             snippet=f"with torch.autocast({run.device_type!r}, enabled=False):\n"
@@ -41,7 +41,7 @@ def _fallback(origin: Origin, run: RunInfo, why: str) -> Recommendation:
         )
     return Recommendation(
         action="fp32_fallback",
-        modules=[origin.module],
+        modules=(origin.module,),
         title=f"run {origin.module} ({origin.class_name}) in float32: {why}",
         snippet=fallback_snippet([origin.module], run.device_type),
     )
@@ -57,7 +57,7 @@ def _mask_constant(origin: Origin, run: RunInfo) -> Optional[Recommendation]:
     constant = next(v for v in op.scalar_args if abs(v) >= run.limits.overflow_threshold)
     return Recommendation(
         action="mask_constant",
-        modules=[origin.module],
+        modules=(origin.module,),
         title=f"the fill constant {constant:g} does not fit {run.limits.dtype} (max {run.limits.max:g}): use the "
         "dtype's own minimum",
         snippet="scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)",
@@ -74,7 +74,7 @@ def _keep_in_fp32(origin: Origin, run: RunInfo, modules: list[ModuleInfo]) -> Op
     leaf = origin.module.rsplit(".", 1)[-1]
     return Recommendation(
         action="keep_in_fp32",
-        modules=[origin.module],
+        modules=(origin.module,),
         title=f"its weights are stored in {run.limits.dtype}: have Hugging Face keep '{leaf}' modules in float32",
         snippet=f"{run.model_class}._keep_in_fp32_modules = ['{leaf}']  # before from_pretrained(..., torch_dtype=...)",
     )
@@ -85,8 +85,8 @@ def _bf16(run: RunInfo) -> Optional[Recommendation]:
         return None
     return Recommendation(
         action="bf16",
-        modules=[],
-        title="or autocast to bfloat16 where the device supports it (same range as float32, no scaler needed)",
+        modules=(),
+        title="autocast to bfloat16 where the device supports it (float32's range, no loss scaling needed)",
         snippet=f"with torch.autocast({run.device_type!r}, dtype=torch.bfloat16):\n"
         "    loss = criterion(model(inputs), targets)",
     )
@@ -108,7 +108,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
         recs.append(
             Recommendation(
                 action="fix_batch",
-                modules=[],
+                modules=(),
                 title=f"the batch itself holds non-finite values ({fwd.tensor}): fix the data, not the model",
                 snippet="assert all(torch.isfinite(t).all() for t in batch_tensors), 'bad batch'",
             )
@@ -118,7 +118,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
         recs.append(
             Recommendation(
                 action="fix_loss",
-                modules=[],
+                modules=(),
                 title="the loss function made the non-finite value from a finite model output: compute it in "
                 "float32 and keep log/div arguments away from zero",
                 snippet="with torch.autocast(device_type, enabled=False):\n"
@@ -132,7 +132,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
         recs.append(
             Recommendation(
                 action="fix_weights",
-                modules=sorted({name.rsplit(".", 1)[0] for name in broken}),
+                modules=tuple(sorted({name.rsplit(".", 1)[0] for name in broken})),
                 title=f"the weights are already non-finite ({', '.join(broken[:5])}): no precision change can fix "
                 "that; restore them from an earlier checkpoint and look for the first step that went bad",
                 snippet="ampdoctor scan checkpoint.pt   # which tensors hold inf/NaN, and since when",
@@ -158,7 +158,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
         recs.append(
             Recommendation(
                 action="loss_scale",
-                modules=[],
+                modules=(),
                 title=(
                     f"gradients overflow at scale {scale.used_scale:g} but are finite at {safe:g}: "
                     + ("GradScaler's skip-and-back-off handles this; optionally start lower"
@@ -178,7 +178,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
             recs.append(
                 Recommendation(
                     action="fix_loss",
-                    modules=[],
+                    modules=(),
                     title="the gradient reaching the model is already non-finite at scale 1: the loss's gradient "
                     "does not fit the model's output dtype; reduce it (mean instead of sum) or compute the loss "
                     "in float32",
@@ -204,7 +204,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
         recs.append(
             Recommendation(
                 action="loss_scale",
-                modules=[s.module for s in under.spots[:5]],
+                modules=tuple(s.module for s in under.spots[:5]),
                 title=f"{under.share:.1%} of gradient values underflow to zero at scale {run.scale:g}: "
                 f"raise the loss scale ({under.reference})",
                 snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={bigger:g})",
@@ -217,7 +217,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
         recs.append(
             Recommendation(
                 action="loss_scale",
-                modules=[],
+                modules=(),
                 title=f"the loss scale {run.scale:g} is outside the measured window "
                 f"[{window.min_useful:g}, {window.max_safe:g}]",
                 snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={window.max_safe:g})",
@@ -228,7 +228,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
             recs.append(
                 Recommendation(
                     action="fp32_fallback",
-                    modules=[near.module],
+                    modules=(near.module,),
                     title=f"{near.label} is {near.headroom_bits:.2f} bit from the {run.limits.dtype} max: "
                     "consider running it in float32 before it overflows",
                     snippet=fallback_snippet([near.module], run.device_type),

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Optional
 
 from torch import nn
 
 from ..analysis import Findings, Origin, backward_origin, forward_origin
-from ..capture.dtypes import model_device_type
 from ..records import BATCH, LOSS, Cost, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 from .fallback import Fp32Fallback
@@ -17,13 +16,15 @@ from .recommend import fallback_snippet
 
 # How many modules the loop adds before it gives up (each round is one re-run).
 MAX_FALLBACK_ROUNDS = 4
-# A fallback set holding more than this share of the model's parameters is not a recommendation.
-MAX_FALLBACK_PARAM_SHARE = 0.5
+# A fallback set doing this share of the step's low-precision work (Linear/Conv FLOPs, or activation bytes) gives
+# up AMP itself: not a recommendation. Parameters do not count: a fixed DFT basis is large and cheap to run.
+MAX_FALLBACK_WORK_SHARE = 0.9
 # Bytes per element of the low-precision formats (what a float32 copy costs extra per element).
 _EXTRA_BYTES = {"float16": 2, "bfloat16": 2}
 _MATMUL_CLASSES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
 RunFn = Callable[[float], PassTrace]
+_CODE_FIXES = frozenset({"mask_constant", "fix_code", "fix_batch", "fix_loss", "fix_weights"})
 
 
 @dataclasses.dataclass
@@ -36,26 +37,11 @@ class VerifyContext:
     low_dtype: str
     run: RunFn  # a survey pass at a scale, same RNG and buffers as the diagnosis
     run_other_dtype: Optional[RunFn]  # the same in bfloat16 (None when not applicable)
-
-
-def _forward_finite(trace: PassTrace) -> bool:
-    return trace.forward_finite() and all(r.stats.is_finite for c in trace.calls for r in c.outputs if r.stats.measured)
-
-
-def _healthy(trace: PassTrace) -> bool:
-    return _forward_finite(trace) and (not trace.backward_ran or trace.gradients_finite())
+    device_type: str = "cpu"  # the autocast device of the user's loop (for snippets)
 
 
 def _origin_of(trace: PassTrace, modules: list[ModuleInfo]) -> Optional[Origin]:
     return forward_origin(trace) or backward_origin(trace, modules)
-
-
-def _param_share(name: str, modules: list[ModuleInfo]) -> float:
-    total = sum(p.stats.numel for m in modules for p in m.params)
-    if not total:
-        return 0.0
-    inside = sum(p.stats.numel for m in modules if _within(m.name, [name]) for p in m.params)
-    return inside / total
 
 
 def _within(module: str, chosen: Iterable[str]) -> bool:
@@ -66,28 +52,41 @@ def _is_ancestor(module: str, chosen: Iterable[str]) -> bool:
     return any(module == "" or c.startswith(module + ".") for c in chosen if c != module)
 
 
-def fallback_cost(trace: PassTrace, modules: list[ModuleInfo], chosen: list[str], low_dtype: str) -> Cost:
-    """Extra bytes of the chosen calls' outputs in float32, and their share of Linear/Conv FLOPs."""
-    extra = _EXTRA_BYTES.get(low_dtype, 0)
-    extra_bytes = sum(
-        r.stats.numel * extra
-        for c in trace.calls
-        if _within(c.module, chosen)
-        for r in c.outputs
-        if r.stats.dtype == low_dtype
-    )
+def _flops(trace: PassTrace, modules: list[ModuleInfo]) -> dict[int, int]:
+    """Estimated FLOPs of each Linear/Conv call (by index), from the weight and output shapes."""
     weights = {m.name: next((p for p in m.params if p.name.endswith("weight")), None) for m in modules}
-
-    def flops(c: ModuleCall) -> int:
+    out: dict[int, int] = {}
+    for c in trace.calls:
         weight = weights.get(c.module)
         if c.class_name not in _MATMUL_CLASSES or weight is None or not c.outputs:
-            return 0
+            continue
         shape = weight.stats.shape
         per_output = shape[1] if c.class_name.endswith("Linear") else weight.stats.numel // max(shape[0], 1)
-        return 2 * c.outputs[0].stats.numel * per_output
+        out[c.index] = 2 * c.outputs[0].stats.numel * per_output
+    return out
 
-    total = sum(flops(c) for c in trace.calls)
-    moved = sum(flops(c) for c in trace.calls if _within(c.module, chosen))
+
+def _low_bytes(c: ModuleCall, low_dtype: str) -> int:
+    return sum(r.stats.numel * _EXTRA_BYTES.get(low_dtype, 0) for r in c.outputs if r.stats.dtype == low_dtype)
+
+
+def work_share(trace: PassTrace, modules: list[ModuleInfo], chosen: list[str], low_dtype: str) -> float:
+    """The larger of the chosen modules' shares of the step's Linear/Conv FLOPs and of its low-precision
+    activation bytes: how much of AMP a float32 fallback of them would give up."""
+    flops = _flops(trace, modules)
+    inside = [c for c in trace.calls if c.module != "" and _within(c.module, chosen)]
+    total_flops, total_bytes = sum(flops.values()), sum(_low_bytes(c, low_dtype) for c in trace.calls if c.module)
+    flop_share = sum(flops.get(c.index, 0) for c in inside) / total_flops if total_flops else 0.0
+    byte_share = sum(_low_bytes(c, low_dtype) for c in inside) / total_bytes if total_bytes else 0.0
+    return max(flop_share, byte_share)
+
+
+def fallback_cost(trace: PassTrace, modules: list[ModuleInfo], chosen: list[str], low_dtype: str) -> Cost:
+    """Extra bytes of the chosen calls' outputs in float32, and their share of Linear/Conv FLOPs."""
+    extra_bytes = sum(_low_bytes(c, low_dtype) for c in trace.calls if _within(c.module, chosen))
+    flops = _flops(trace, modules)
+    total = sum(flops.values())
+    moved = sum(flops.get(c.index, 0) for c in trace.calls if _within(c.module, chosen))
     note = "" if moved else "no Linear/Conv inside: the modules' own matmuls are not counted"
     return Cost(extra_bytes, moved / total if total else 0.0, note)
 
@@ -100,7 +99,7 @@ def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> tu
     their dtype (norms and activations follow their input under autocast), which is expected.
     """
 
-    def dtypes(records: list[TensorRecord]) -> list[str]:
+    def dtypes(records: Sequence[TensorRecord]) -> list[str]:
         return [r.stats.dtype for r in records]
 
     old = {(c.module, c.call): c for c in before.calls}
@@ -117,36 +116,45 @@ def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> tu
 
 
 def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> Recommendation:
-    """Run the origin in float32, re-run; add each new origin; stop when the step is finite or after a bound."""
+    """Run the origin in float32, re-run; add each new origin; stop when the step is finite or after a bound.
+
+    Every candidate is tried before the answer is "none worked"; a candidate is refused only when running it in
+    float32 would give up most of AMP (``MAX_FALLBACK_WORK_SHARE`` of the step's low-precision work).
+    """
     chosen: list[str] = []
     scale_note = ""
     current: Optional[Origin] = origin
-    rounds: list[str] = []
+    tried: list[str] = []
     last: Optional[PassTrace] = None
-    while current is not None and len(chosen) < MAX_FALLBACK_ROUNDS:
+    while current is not None:
         if current.module in (LOSS, BATCH):
-            done = ", ".join(chosen) or "nothing"
-            why = f"after {done}: the origin is {current.label}, which no float32 fallback of a module can fix"
-            return _unverified(origin, chosen, why)
+            return _unverified(origin, chosen, tried, f"the origin is then {current.label}, which no float32 "
+                                                   "fallback of a module can fix")
         if current.module in chosen:
-            return _unverified(origin, chosen, f"{current.label} stays the origin even in float32")
-        if current.module == "" or _param_share(current.module, ctx.modules) > MAX_FALLBACK_PARAM_SHARE:
-            return _unverified(origin, chosen, f"{current.label} holds most of the model: not a fallback candidate")
+            return _unverified(origin, chosen, tried, f"{current.label} stays the origin even in float32")
+        share = work_share(ctx.baseline, ctx.modules, [*chosen, current.module], ctx.low_dtype)
+        if current.module == "" or share >= MAX_FALLBACK_WORK_SHARE:
+            what = "the whole model" if current.module == "" else f"{share:.0%} of the step's low-precision work"
+            return _unverified(origin, chosen, tried, f"adding {current.label} would run {what} in float32, "
+                                                   "giving up AMP itself")
+        if len(chosen) == MAX_FALLBACK_ROUNDS:
+            return _unverified(origin, chosen, tried, f"the origin moved on to {current.label} (the bound is "
+                                                   f"{MAX_FALLBACK_ROUNDS} modules)")
         chosen.append(current.module)
+        tried.append(", ".join(chosen))
         with Fp32Fallback(ctx.root, chosen):
             last = ctx.run(check_scale)
-            if _forward_finite(last) and not _healthy(last) and check_scale > 1:
+            if last.forward_healthy() and not last.healthy() and check_scale > 1:
                 # Gradients that are finite at scale 1 are a loss-scale overflow, which GradScaler handles.
                 at_one = ctx.run(1.0)
-                if _healthy(at_one):
+                if at_one.healthy():
                     scale_note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
                     last = at_one
-        if _healthy(last):
+        if last.healthy():
             break
         current = _origin_of(last, ctx.modules)
-        rounds.append(f"with {', '.join(chosen)} in float32 the origin moved to {current.label if current else '?'}")
-    if last is None or not _healthy(last):
-        return _unverified(origin, chosen, "; ".join(rounds) or "no finite step within the bound")
+    if last is None or not last.healthy():
+        return _unverified(origin, chosen, tried, "the step stayed non-finite and no origin could be placed")
     changed, followed = _dtype_changes(ctx.baseline, last, chosen)
     kept = sum(
         1
@@ -164,24 +172,26 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
         evidence += f"; but {len(changed)} call(s) outside the set changed dtype: {', '.join(changed[:5])}"
     return Recommendation(
         action="fp32_fallback",
-        modules=list(chosen),
+        modules=tuple(chosen),
         title=f"run {', '.join(chosen)} in float32; AMP stays on everywhere else",
-        snippet=fallback_snippet(chosen, model_device_type(ctx.root)),
+        snippet=fallback_snippet(chosen, ctx.device_type),
         verified=not changed,
         evidence=evidence,
         cost=fallback_cost(ctx.baseline, ctx.modules, chosen, ctx.low_dtype),
     )
 
 
-def _unverified(origin: Origin, chosen: list[str], why: str) -> Recommendation:
+def _unverified(origin: Origin, chosen: list[str], tried: list[str], why: str) -> Recommendation:
     modules = chosen or ([origin.module] if origin.module not in (LOSS, BATCH, "") else [])
+    attempts = "; ".join(f"[{t}]" for t in tried)
+    evidence = (f"re-ran the step with each of these sets in float32: {attempts}; " if tried else "") + why
     return Recommendation(
         action="fp32_fallback",
-        modules=modules,
-        title=f"no float32 fallback set made the step finite: {why}",
+        modules=tuple(modules),
+        title="no float32 fallback set made the step finite" if tried else "no float32 fallback applies here",
         snippet="# no verified fallback; see the origin and op above",
         verified=False,
-        evidence=why,
+        evidence=evidence,
     )
 
 
@@ -195,34 +205,36 @@ def verify_recommendations(
     )
     out: list[Recommendation] = []
     for rec in recs:
-        if rec.action == "fp32_fallback" and origin is not None and rec.modules == [origin.module]:
-            out.append(verify_fallback(ctx, origin, check_scale))
-        elif rec.action == "bf16" and ctx.run_other_dtype is not None:
-            trace = ctx.run_other_dtype(1.0)
-            ok = _healthy(trace)
-            out.append(
-                dataclasses.replace(
-                    rec,
-                    verified=ok,
-                    evidence="re-ran the step in bfloat16 (unscaled): "
-                    + ("forward and backward finite" if ok else "still non-finite"),
-                )
-            )
-        elif rec.action == "loss_scale" and _proposed_scale(findings) is not None:
-            scale = _proposed_scale(findings)
-            assert scale is not None
-            trace = ctx.run(scale)
-            ok = _healthy(trace)
-            evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
-            window = findings.window
-            probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None
-            if ok and window is not None and probe is not None and probe.lost_share is not None:
-                evidence += f", {probe.lost_share:.2%} of gradient values lost to zero ({window.reference})"
-                ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
-            out.append(dataclasses.replace(rec, verified=ok, evidence=evidence))
-        else:
-            out.append(rec)
-    return sorted(out, key=lambda r: bool(r.evidence) and not r.verified)
+        try:
+            out.append(_verify_one(ctx, findings, rec, origin, check_scale))
+        except Exception as exc:  # a re-run that cannot run (float16-only kernel, out of memory): say so
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            out.append(dataclasses.replace(rec, verified=False, evidence=f"the verification re-run failed ({reason})"))
+    # A fix of the code that made the value (a mask constant, the loss, the batch) stays first; the alternatives
+    # (fallback, loss scale, bfloat16, keep_in_fp32) follow by what the re-runs proved: verified, untested, failed.
+    return sorted(out, key=lambda r: (r.action not in _CODE_FIXES, 0 if r.verified else (2 if r.evidence else 1)))
+
+
+def _verify_one(
+    ctx: VerifyContext, findings: Findings, rec: Recommendation, origin: Optional[Origin], check_scale: float
+) -> Recommendation:
+    if rec.action == "fp32_fallback" and origin is not None and rec.modules == (origin.module,):
+        return verify_fallback(ctx, origin, check_scale)
+    if rec.action == "bf16" and ctx.run_other_dtype is not None:
+        ok = ctx.run_other_dtype(1.0).healthy()
+        outcome = "forward and backward finite" if ok else "still non-finite"
+        return dataclasses.replace(rec, verified=ok, evidence=f"re-ran the step in bfloat16 (unscaled): {outcome}")
+    scale = _proposed_scale(findings)
+    if rec.action == "loss_scale" and scale is not None:
+        ok = ctx.run(scale).healthy()
+        evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
+        window = findings.window
+        probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None
+        if ok and window is not None and probe is not None and probe.lost_share is not None:
+            evidence += f", {probe.lost_share:.2%} of gradient values lost to zero ({window.reference})"
+            ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
+        return dataclasses.replace(rec, verified=ok, evidence=evidence)
+    return rec
 
 
 def _proposed_scale(findings: Findings) -> Optional[float]:

@@ -7,20 +7,20 @@ Rows, in this order:
 - ``"grad_output"`` / ``"grad_input"`` / ``"param_grad"``: every gradient event of the backward, in execution
   order (``grad_order``); statistics are unscaled, ``abs_max_held`` and ``headroom_bits`` are what the scaled
   backward held (times the loss scale);
-- ``headroom_bits`` is ``log2(max / abs_max_held)`` of the diagnosed format, ``-inf`` for a tensor holding
-  inf/NaN (``abs_max`` is then its finite part's largest magnitude), NaN when not measured;
+- ``headroom_bits`` is ``log2(max / abs_max_held)`` for tensors held in the diagnosed format, ``-inf`` for a
+  tensor holding inf/NaN (``abs_max`` is then its finite part's largest magnitude), NaN when not measured or
+  held in a wider format (a float32 tensor has no float16 headroom to lose);
 - ``"param"``: each module's own parameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Any, Optional
 
 from .._optional import require
-from ..analysis import Origin, headroom_bits, origin_event
-from ..records import FormatLimits, TensorStats
+from ..records import TensorStats
+from .rows import ReportRows, TensorRow
 
 if TYPE_CHECKING:
     from .report import Report
@@ -70,91 +70,48 @@ _COUNT_COLUMNS = (
 )
 
 
-def _stats_columns(stats: TensorStats, limits: FormatLimits, scale: float = 1.0) -> dict[str, Any]:
-    row: dict[str, Any] = {name: getattr(stats, name) for name in STAT_COLUMNS}
-    held = None if stats.abs_max is None else stats.abs_max * scale
-    # Out of range already: no headroom (sorts first); the finite part's magnitude stays in abs_max.
-    bits = -math.inf if stats.measured and not stats.is_finite else headroom_bits(held, limits)
-    row.update(
+def _row(row: TensorRow) -> dict[str, Any]:
+    stats = row.stats
+    out: dict[str, Any] = {name: getattr(stats, name) for name in STAT_COLUMNS}
+    out.update(
+        section=row.section,
+        kind=row.kind,
+        call_index=row.call_index,
+        end_order=row.end_order,
+        grad_order=row.grad_order,
+        label=row.label,
+        module=row.module,
+        call=row.call,
+        class_name=row.class_name,
+        tensor=row.tensor,
+        param=row.param,
         dtype=stats.dtype,
         shape=tuple(stats.shape),
         numel=stats.numel,
         abs_max=stats.abs_max,
-        abs_max_held=held,
-        headroom_bits=bits,
+        abs_max_held=row.abs_max_held,
+        headroom_bits=row.headroom_bits,
         finite=stats.is_finite if stats.measured else None,
         nonfinite_count=stats.nonfinite_count,
+        requires_grad=row.requires_grad,
+        producer=row.producer,
+        via_base=row.via_base,
+        origin=row.origin,
     )
-    return row
-
-
-def _is_origin(origin: Optional[Origin], module: str, call: int, tensor: str) -> bool:
-    return origin is not None and (origin.module, origin.call, origin.tensor) == (module, call, tensor)
+    return out
 
 
 def frame_rows(report: Report) -> list[dict[str, Any]]:
     """The rows of :func:`to_dataframe` as plain dicts (no pandas needed)."""
-    limits, trace = report.run.limits, report.trace
-    fwd, bwd = report.forward_origin, report.backward_origin
-    rows: list[dict[str, Any]] = []
-    for c in trace.calls:
-        base = {
-            "section": "forward",
-            "call_index": c.index,
-            "end_order": c.end_order,
-            "label": c.label,
-            "module": c.module,
-            "call": c.call,
-            "class_name": c.class_name,
-        }
-        for kind, records in (("input", c.inputs), ("output", c.outputs)):
-            for r in records:
-                rows.append(
-                    {
-                        **base,
-                        "kind": kind,
-                        "tensor": r.path,
-                        **_stats_columns(r.stats, limits),
-                        "requires_grad": r.requires_grad,
-                        "producer": r.producer,
-                        "origin": kind == "output" and _is_origin(fwd, c.module, c.call, r.path),
-                    }
-                )
-    marked = origin_event(trace, bwd)
-    owners = {p.name: info for info in report.modules for p in info.params}
-    for e in trace.grad_events:
-        row: dict[str, Any] = {"section": "backward", "kind": f"grad_{e.kind}", "grad_order": e.order}
-        if e.call is not None and 0 <= e.call < len(trace.calls):
-            c = trace.calls[e.call]
-            row.update(call_index=c.index, label=c.label, module=c.module, call=c.call, class_name=c.class_name)
-        elif e.param is not None and e.param in owners:
-            info = owners[e.param]
-            row.update(module=info.name, class_name=info.class_name)
-        tensor = f"grad:{e.param}" if e.kind == "param" else f"grad:{e.path}"
-        row.update(
-            tensor=tensor,
-            param=e.param,
-            **_stats_columns(e.stats, limits, trace.scale),
-            via_base=e.via_base,
-            origin=marked is not None and e.order == marked.order,
-        )
-        rows.append(row)
-    for info in report.modules:
-        for p in info.params:
-            rows.append(
-                {
-                    "section": "parameters",
-                    "kind": "param",
-                    "module": info.name,
-                    "class_name": info.class_name,
-                    "tensor": p.name.rsplit(".", 1)[-1],
-                    "param": p.name,
-                    **_stats_columns(p.stats, limits),
-                    "requires_grad": p.requires_grad,
-                    "origin": False,
-                }
-            )
-    return rows
+    rows = ReportRows.of(report)
+    inputs: dict[Optional[int], list[TensorRow]] = {}
+    for r in rows.inputs:
+        inputs.setdefault(r.call_index, []).append(r)
+    forward = sorted(rows.calls, key=lambda c: c.call.index)
+    out = [_row(r) for c in forward for r in (*inputs.get(c.call.index, []), *c.outputs)]
+    out += [_row(r) for r in rows.grads]
+    out += [_row(r) for r in rows.params]
+    return out
 
 
 def to_dataframe(report: Report) -> Any:

@@ -9,139 +9,29 @@ HTML part is marked ``hidden`` and shown by that stylesheet, so a viewer that st
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from html import escape
+from collections.abc import Sequence
 from importlib import resources
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
-from ..analysis import Origin, forward_creators, headroom_bits, is_mask, origin_event
-from ..records import BATCH, LOSS, FormatLimits, GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats
-from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
-from .text import describe_bad, describe_origin, fmt_num, render_text
+from ..analysis import Origin
+from ..records import BATCH, LOSS, FormatLimits
+from ..thresholds import HEADROOM_WARN_BITS
+from .document import alerts, describe_bad, describe_origin, failed_passes, fmt_num
+from .html_parts import _code, _e, _names, _shape, _td
+from .html_tables import COLLAPSE_MIN_RUN, FULL_TABLE_ROWS, backward_section, forward_section, steps_section
+from .text import render_text
 
 if TYPE_CHECKING:
     from ..records import Recommendation
     from .report import Report
 
-# Tables longer than this fold runs of unremarkable rows into one summary row ...
-FULL_TABLE_ROWS = 60
-# ... when the run is at least this long.
-COLLAPSE_MIN_RUN = 3
-# Names listed inline (propagation, not captured) before "and N more".
-INLINE_NAMES = 8
-
-# Row levels, worst first; each is a CSS class ``ad-<level>``.
-NONFINITE, WARN, TIGHT, FINE, NONE = "nonfinite", "warn", "tight", "fine", "none"
-_LEVEL_RANK = {NONFINITE: 0, WARN: 1, TIGHT: 2, FINE: 3, NONE: 4}
+__all__ = ["COLLAPSE_MIN_RUN", "FULL_TABLE_ROWS", "render_html", "render_html_page", "stylesheet"]
 
 
 @functools.cache
 def stylesheet() -> str:
     """The package's ``static/report.css`` (read once per process)."""
     return resources.files("ampdoctor").joinpath("static/report.css").read_text(encoding="utf-8")
-
-
-# -- classification ----------------------------------------------------------------------------------------
-
-
-def level(stats: TensorStats, limits: FormatLimits, scale: float = 1.0) -> str:
-    """Colour band of one tensor: non-finite, under 1 bit, under 4 bits of headroom, fine, or not measured.
-
-    Headroom counts only for tensors held in the diagnosed format (``scale`` times the recorded values, for
-    gradients); a wider tensor is flagged only when casting it would overflow.
-    """
-    if not stats.measured:
-        return NONE
-    if not stats.is_finite:
-        return NONFINITE
-    if stats.dtype != limits.dtype:
-        return WARN if (stats.cast_overflow_count or 0) > 0 else FINE
-    bits = headroom_bits(None if stats.abs_max is None else stats.abs_max * scale, limits)
-    if bits is None:
-        return NONE
-    if bits < HEADROOM_WARN_BITS:
-        return WARN
-    if bits < HEADROOM_TIGHT_BITS:
-        return TIGHT
-    return FINE
-
-
-def _low_bits(stats: Optional[TensorStats], limits: FormatLimits, scale: float = 1.0) -> Optional[float]:
-    """Headroom of a finite tensor held in the diagnosed format (None for others: their headroom is no risk)."""
-    if stats is None or not stats.measured or not stats.is_finite or stats.dtype != limits.dtype:
-        return None
-    return headroom_bits(None if stats.abs_max is None else stats.abs_max * scale, limits)
-
-
-def _worst(records: Sequence[TensorRecord], limits: FormatLimits) -> Optional[TensorRecord]:
-    """The measured record with the least headroom (non-finite first)."""
-
-    def key(r: TensorRecord) -> tuple[int, float]:
-        bits = headroom_bits(r.stats.abs_max, limits)
-        return _LEVEL_RANK[level(r.stats, limits)], bits if bits is not None else math.inf
-
-    measured = [r for r in records if r.stats.measured]
-    return min(measured, key=key) if measured else None
-
-
-# -- small pieces ------------------------------------------------------------------------------------------
-
-
-def _e(value: object) -> str:
-    return escape(str(value), quote=True)
-
-
-def _code(value: object) -> str:
-    return f"<code>{_e(value)}</code>"
-
-
-def _shape(shape: Iterable[int]) -> str:
-    dims = list(shape)
-    return "×".join(str(d) for d in dims) if dims else "scalar"
-
-
-def _bits(stats: TensorStats, limits: FormatLimits, scale: float = 1.0) -> str:
-    if not stats.measured:
-        return ""
-    if not stats.is_finite:
-        return "non-finite"
-    bits = headroom_bits(None if stats.abs_max is None else stats.abs_max * scale, limits)
-    if bits is None:
-        return "-"
-    return "∞" if math.isinf(bits) else f"{bits:.2f}"
-
-
-def _nonfinite(stats: TensorStats) -> str:
-    if not stats.measured or stats.is_finite:
-        return ""
-    return describe_bad(stats)
-
-
-def _names(labels: Sequence[str]) -> str:
-    shown = ", ".join(_code(label) for label in labels[:INLINE_NAMES])
-    more = len(labels) - INLINE_NAMES
-    return shown + (f" and {more} more" if more > 0 else "")
-
-
-def _td(text: str, num: bool = False, raw: bool = False, attrs: str = "") -> str:
-    cls = ' class="ad-num"' if num else ""
-    return f"<td{cls}{attrs}>{text if raw else _e(text)}</td>"
-
-
-def _legend() -> str:
-    keys = (
-        (NONFINITE, "inf/NaN"),
-        (WARN, f"< {HEADROOM_WARN_BITS:g} bit"),
-        (TIGHT, f"< {HEADROOM_TIGHT_BITS:g} bits"),
-        (FINE, "fine"),
-    )
-    return (
-        '<span class="ad-legend">'
-        + "".join(f'<span class="ad-key ad-{k}"></span>{_e(label)}' for k, label in keys)
-        + "</span>"
-    )
 
 
 # -- banner and cards --------------------------------------------------------------------------------------
@@ -162,9 +52,12 @@ def _banner(report: Report) -> str:
         f"loss from {run.loss_source} · {run.model_class} · {len(report.trace.calls)} module calls · "
         f"torch {run.torch_version}"
     )
+    if not run.backward_checked:
+        where += " (forward only: no gradient was checked)"
+    notices = "".join(f'<div class="ad-alert">{_e(a)}</div>' for a in alerts(report))
     return (
         f'<div class="ad-banner ad-v-{_e(css)}"><span class="ad-verdict">{_e(verdict.upper())}</span>{where}'
-        f'<div class="ad-facts">{_e(facts)}</div></div>'
+        f'<div class="ad-facts">{_e(facts)}</div>{notices}</div>'
     )
 
 
@@ -223,6 +116,8 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
             items.append(
                 (where, f"{_code(f'{loc.file}:{loc.line}')} in {_code(loc.function)}<pre>{_e(loc.code)}</pre>")
             )
+    if origin.policy_note:
+        items.append(("CPU policy", _e(origin.policy_note)))
     items.append(
         (
             "format",
@@ -304,6 +199,10 @@ def _findings_sections(report: Report) -> str:
         )
     if f.warnings:
         parts.append(_section("Warnings", "<ul>" + "".join(f"<li>{_e(w)}</li>" for w in f.warnings) + "</ul>"))
+    failed = failed_passes(report)
+    if failed:
+        title = f"{len(failed)} optional pass(es) failed; the findings stand on the others"
+        parts.append(_section(title, "<ul>" + "".join(f"<li>{_e(line)}</li>" for line in failed) + "</ul>"))
     return "".join(parts)
 
 
@@ -332,294 +231,6 @@ def _recommendations(report: Report) -> str:
         return ""
     items = "".join(_recommendation(r) for r in report.recommendations)
     return f'<div class="ad-section ad-recs"><h4>Recommendations</h4><ol>{items}</ol></div>'
-
-
-# -- tables ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Row:
-    """One table row: its colour level, whether it may fold into a run, a label for run summaries, the cells."""
-
-    level: str
-    foldable: str  # "" (always shown), "fine", "carried" (non-finite, passed on) or "skipped" (a training step)
-    label: str
-    cells: str
-    origin: bool = False
-    bits: Optional[float] = None
-
-
-def _fold(rows: Sequence[Row], columns: int, noun: str) -> str:
-    """Rows as ``<tr>``s; in a long table, runs of fine (or carried non-finite) rows become one summary row."""
-    out: list[str] = []
-    fold = len(rows) > FULL_TABLE_ROWS
-    i = 0
-    while i < len(rows):
-        row = rows[i]
-        j = i + 1
-        if fold and row.foldable:
-            while j < len(rows) and rows[j].foldable == row.foldable:
-                j += 1
-        if j - i >= COLLAPSE_MIN_RUN:
-            run = rows[i:j]
-            if row.foldable == "fine":
-                known = [r.bits for r in run if r.bits is not None]
-                least = f", least headroom {min(known):.1f} bits" if known else ""
-                what = f"{len(run)} healthy {noun}{least}"
-                css = "fine"
-            elif row.foldable == "skipped":
-                what = f"{len(run)} skipped {noun}"
-                css = "nonfinite"
-            else:
-                what = f"{len(run)} {noun} carrying the non-finite values onward"
-                css = "nonfinite"
-            out.append(
-                f'<tr class="ad-run ad-{css}"><td colspan="{columns}">⋯ {_e(what)}: {_code(run[0].label)} … '
-                f"{_code(run[-1].label)}</td></tr>"
-            )
-            i = j
-            continue
-        for r in rows[i:j]:
-            classes = f"ad-{r.level}" + (" ad-origin" if r.origin else "")
-            out.append(f'<tr class="{classes}">{r.cells}</tr>')
-        i = j
-    return "".join(out)
-
-
-def _depths(calls: Sequence[ModuleCall]) -> dict[int, int]:
-    by_index = {c.index: c for c in calls}
-    depth: dict[int, int] = {}
-    for c in calls:
-        d, p = 0, c.parent
-        while p is not None and p in by_index:
-            d, p = d + 1, by_index[p].parent
-        depth[c.index] = d
-    return depth
-
-
-_FORWARD_HEAD = (
-    "#",
-    "call",
-    "class",
-    "inputs |x|max",
-    "output",
-    "dtype",
-    "shape",
-    "|x|max",
-    "min |x|>0",
-    "headroom bits",
-    "non-finite",
-    "",
-)
-
-
-def forward_rows(report: Report) -> list[Row]:
-    """The forward table: one row per call in completion order, showing its worst output."""
-    trace, limits = report.trace, report.run.limits
-    origin = report.forward_origin
-    creators = {c.index for c in forward_creators(trace)}
-    depth = _depths(trace.calls)
-    done = sorted((c for c in trace.calls if c.end_order >= 0), key=lambda c: c.end_order)
-    unfinished = [c for c in trace.calls if c.end_order < 0]
-    rows = []
-    for c in [*done, *unfinished]:
-        worst = _worst(c.outputs, limits)
-        stats = worst.stats if worst is not None else None
-        lvl = level(stats, limits) if stats is not None else NONE
-        is_origin = origin is not None and (origin.module, origin.call) == (c.module, c.call)
-        inputs = [r for r in c.inputs if r.stats.measured]
-        in_max = [r.stats.abs_max for r in inputs if r.stats.abs_max is not None]
-        in_text = fmt_num(max(in_max)) if in_max else ("-" if not inputs else "")
-        if any(not r.stats.is_finite and not is_mask(r) for r in inputs):
-            in_text += " + inf/NaN"
-        note = ""
-        if c.end_order < 0:
-            note = "did not complete"
-        elif is_origin:
-            note = "◀ origin"
-        elif c.index in creators:
-            note = "made inf/NaN (contains the origin)" if origin is not None else "made inf/NaN"
-        elif lvl == NONFINITE:
-            note = "carries it"
-        if any(is_mask(r) for r in c.inputs):
-            note = (note + "; " if note else "") + "mask input"
-        more = len([r for r in c.outputs if r.stats.measured]) - 1
-        out_name = (worst.path if worst is not None else "-") + (f" (+{more})" if more > 0 else "")
-        bits = _low_bits(stats, limits)
-        order = str(c.end_order) if c.end_order >= 0 else "-"
-        cells = "".join(
-            (
-                _td(order, True),
-                _td(_code(c.label), raw=True, attrs=f' style="padding-left:{0.5 + 0.8 * depth[c.index]:.1f}em"'),
-                _td(c.class_name),
-                _td(in_text, True),
-                _td(out_name),
-                _td(stats.dtype if stats else ""),
-                _td(_shape(stats.shape) if stats else ""),
-                _td(fmt_num(stats.abs_max) if stats else "", True),
-                _td(fmt_num(stats.min_abs_nonzero) if stats and stats.min_abs_nonzero is not None else "", True),
-                _td(_bits(stats, limits) if stats else "", True),
-                _td(_nonfinite(stats) if stats else ""),
-                _td(note),
-            )
-        )
-        foldable = ""
-        if not note:
-            foldable = "fine" if lvl in (FINE, NONE) else ("carried" if lvl == NONFINITE else "")
-        elif note == "carries it":
-            foldable = "carried"
-        rows.append(Row(lvl, foldable, c.label, cells, is_origin, bits))
-    return rows
-
-
-_BACKWARD_HEAD = (
-    "#",
-    "gradient",
-    "of",
-    "tensor",
-    "dtype",
-    "shape",
-    "|g|max",
-    "held (× scale)",
-    "min |g|>0",
-    "headroom bits",
-    "non-finite",
-    "",
-)
-_KIND = {"output": "∂ output", "input": "∂ input", "param": "∂ param"}
-
-
-def _event_where(e: GradEvent, trace: PassTrace) -> str:
-    """The label of the call a gradient event belongs to; a parameter's gradient names the parameter."""
-    if e.call is not None and 0 <= e.call < len(trace.calls):
-        return trace.calls[e.call].label
-    return e.param or "?"
-
-
-def backward_rows(report: Report) -> list[Row]:
-    """The backward table: one row per gradient event in execution order (statistics unscaled)."""
-    trace, limits = report.trace, report.run.limits
-    scale = trace.scale
-    marked = origin_event(trace, report.backward_origin)
-    rows = []
-    for e in sorted(trace.grad_events, key=lambda e: e.order):
-        label = _event_where(e, trace)
-        lvl = level(e.stats, limits, scale)
-        is_origin = marked is not None and e.order == marked.order
-        note = "◀ origin" if is_origin else ("carries it" if lvl == NONFINITE else "")
-        if e.via_base:
-            note = (note + "; " if note else "") + "via view base"
-        s = e.stats
-        held = None if s.abs_max is None else s.abs_max * scale
-        bits = _low_bits(s, limits, scale)
-        cells = "".join(
-            (
-                _td(str(e.order), True),
-                _td(_KIND.get(e.kind, e.kind)),
-                _td(_code(label), raw=True),
-                _td("" if e.kind == "param" else e.path),
-                _td(s.dtype),
-                _td(_shape(s.shape)),
-                _td(fmt_num(s.abs_max), True),
-                _td(fmt_num(held), True),
-                _td(fmt_num(s.min_abs_nonzero) if s.min_abs_nonzero is not None else "", True),
-                _td(_bits(s, limits, scale), True),
-                _td(_nonfinite(s)),
-                _td(note),
-            )
-        )
-        foldable = "" if is_origin else {NONFINITE: "carried", FINE: "fine", NONE: "fine"}.get(lvl, "")
-        rows.append(Row(lvl, foldable, label, cells, is_origin, bits))
-    return rows
-
-
-def _table(head: Sequence[str], rows: Sequence[Row], noun: str) -> str:
-    header = "".join(f"<th>{_e(h)}</th>" for h in head)
-    return f'<table class="ad-calls"><tr>{header}</tr>{_fold(rows, len(head), noun)}</table>'
-
-
-def _counts(rows: Sequence[Row]) -> str:
-    n = {k: sum(1 for r in rows if r.level == k) for k in (NONFINITE, WARN, TIGHT)}
-    parts = [
-        f"{n[NONFINITE]} non-finite",
-        f"{n[WARN]} under {HEADROOM_WARN_BITS:g} bit",
-        f"{n[TIGHT]} under {HEADROOM_TIGHT_BITS:g} bits",
-    ]
-    return ", ".join(parts)
-
-
-def _forward_section(report: Report) -> str:
-    rows = forward_rows(report)
-    if not rows:
-        return ""
-    limits = report.run.limits
-    summary = (
-        f"Forward: {len(rows)} module calls ({_counts(rows)}); headroom = log2({limits.max:g} / |x|max)"
-    )
-    return (
-        f"<details open><summary>{_e(summary)} {_legend()}</summary>"
-        f"{_table(_FORWARD_HEAD, rows, 'calls')}</details>"
-    )
-
-
-def _backward_section(report: Report) -> str:
-    trace = report.trace
-    if not trace.backward_ran:
-        return '<div class="ad-section ad-muted">No backward pass was run.</div>'
-    rows = backward_rows(report)
-    if not rows:
-        return ""
-    f = report.findings
-    is_open = " open" if f.backward_origin is not None or f.scale is not None or f.underflow is not None else ""
-    summary = (
-        f"Backward: {len(rows)} gradient events ({_counts(rows)}); |g| unscaled, held = × loss scale "
-        f"{trace.scale:g}"
-    )
-    return (
-        f"<details{is_open}><summary>{_e(summary)} {_legend()}</summary>"
-        f"{_table(_BACKWARD_HEAD, rows, 'gradients')}</details>"
-    )
-
-
-_STEPS_HEAD = ("step", "loss", "scale", "optimizer step", "forward", "origin", "non-finite gradients", "rank")
-
-
-def steps_rows(report: Report) -> list[Row]:
-    """The training steps that ``ampdoctor.watch`` recorded, one row each."""
-    rows = []
-    for st in report.steps:
-        bad = st.skipped or not st.forward_finite
-        origins = [o for o in (st.forward_origin, st.backward_origin) if o]
-        params = st.nonfinite_params
-        shown = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
-        cells = "".join(
-            (
-                _td(str(st.step), True),
-                _td(fmt_num(st.loss), True),
-                _td(f"{st.scale:g}", True),
-                _td("skipped" if st.skipped else "taken"),
-                _td("finite" if st.forward_finite else "non-finite"),
-                _td(" / ".join(_code(o) for o in origins), raw=True),
-                _td(shown),
-                _td(str(st.rank), True),
-            )
-        )
-        foldable = "" if origins else ("skipped" if bad else "fine")
-        rows.append(Row(NONFINITE if bad else FINE, foldable, f"step {st.step}", cells))
-    return rows
-
-
-def _steps_section(report: Report) -> str:
-    steps = report.steps
-    if not steps:
-        return ""
-    skipped = sum(1 for st in steps if st.skipped)
-    summary = f"Training steps: {len(steps)} ({skipped} skipped; scale {steps[0].scale:g} → {steps[-1].scale:g})"
-    is_open = " open" if skipped or not all(st.forward_finite for st in steps) else ""
-    return (
-        f"<details{is_open}><summary>{_e(summary)}</summary>"
-        f"{_table(_STEPS_HEAD, steps_rows(report), 'steps')}</details>"
-    )
 
 
 def _run_section(report: Report) -> str:
@@ -653,9 +264,9 @@ def render_html(report: Report) -> str:
             cards,
             _findings_sections(report),
             _recommendations(report),
-            _steps_section(report),
-            _forward_section(report),
-            _backward_section(report),
+            steps_section(report),
+            forward_section(report),
+            backward_section(report),
             _run_section(report),
         )
     )

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from .._optional import require
-from ..analysis import Origin, origin_event
+from ..analysis import Origin
 from ..records import BATCH, LOSS, FormatLimits, TensorStats
+from .rows import ReportRows
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -109,8 +110,11 @@ def forward_series(report: Report) -> Series:
         series.add(BATCH, (r.stats for r in trace.batch), limits)
         if origin is not None and origin.module == BATCH:
             series.origin = 0
-    for c in sorted((c for c in trace.calls if c.end_order >= 0), key=lambda c: c.end_order):
-        if origin is not None and (origin.module, origin.call) == (c.module, c.call):
+    rows = ReportRows.of(report)
+    for c in rows.calls:
+        if c.role == "unfinished":
+            continue
+        if c.role == "origin":
             series.origin = len(series.labels)
         series.add(c.label, (r.stats for r in c.outputs), limits)
     if trace.loss is not None and trace.loss.measured:
@@ -124,17 +128,14 @@ def forward_series(report: Report) -> Series:
 
 def backward_series(report: Report) -> Series:
     """Per gradient event (in execution order) the gradient as held: recorded values times the loss scale."""
-    trace, limits = report.trace, report.run.limits
+    limits = report.run.limits
     series = Series()
-    marked = origin_event(trace, report.backward_origin)
-    for e in sorted(trace.grad_events, key=lambda e: e.order):
-        if e.call is not None and 0 <= e.call < len(trace.calls):
-            label = f"{trace.calls[e.call].label} ∂{e.kind[:3]}"
-        else:
-            label = f"∂{e.param}" if e.param else "?"
-        if marked is not None and e.order == marked.order:
+    for r in ReportRows.of(report).grads:
+        kind = r.kind.removeprefix("grad_")
+        label = f"{r.label} ∂{kind[:3]}" if r.call is not None else (f"∂{r.param}" if r.param else "?")
+        if r.origin:
             series.origin = len(series.labels)
-        series.add(label, [e.stats], limits, trace.scale)
+        series.add(label, [r.stats], limits, r.scale)
     if series.origin is not None and report.backward_origin is not None:
         series.origin_text = _origin_text(report.backward_origin)
     return series

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..analysis import Findings, Origin
-from ..records import ModuleInfo, PassTrace, Recommendation, RunInfo, StepRecord
+from ..records import ModuleInfo, PassTrace, Recommendation, RunInfo, StepRecord, Verdict
 from ..serial import json_object, load_versioned, to_plain
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
@@ -19,16 +19,16 @@ class Report:
     """What ``diagnose`` found. ``print(report)`` shows it; ``report.to_json()`` saves it."""
 
     run: RunInfo
-    modules: list[ModuleInfo]
+    modules: tuple[ModuleInfo, ...]
     trace: PassTrace
     findings: Findings
-    recommendations: list[Recommendation] = field(default_factory=list)
-    steps: list[StepRecord] = field(default_factory=list)  # filled by ampdoctor.watch; empty for diagnose
+    recommendations: tuple[Recommendation, ...] = ()
+    steps: tuple[StepRecord, ...] = ()  # filled by ampdoctor.watch; empty for diagnose
     schema_version: str = SCHEMA_VERSION
 
     # -- the stable surface ---------------------------------------------------------------------------------
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Verdict:
         """One of ``healthy``, ``overflow``, ``nan``, ``underflow``, ``scale_overflow``."""
         return self.findings.verdict
 
@@ -51,7 +51,10 @@ class Report:
 
     # -- serialisation --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = to_plain(self)
+        """Plain data for JSON: every field, plus ``verdict`` and ``exit_code`` at the top (read-only: ignored
+        by :meth:`from_dict`, which recomputes them)."""
+        data: dict[str, Any] = {"verdict": self.verdict, "exit_code": self.exit_code}
+        data.update(to_plain(self))
         return data
 
     def to_json(self, indent: Optional[int] = None) -> str:
@@ -70,6 +73,12 @@ class Report:
         from .text import render_text
 
         return render_text(self, max_rows=max_rows)
+
+    def to_markdown(self, max_rows: int = 20) -> str:
+        """GitHub-flavoured markdown (headings, pipe tables, fenced code) for issues and pull requests."""
+        from .markdown import render_markdown
+
+        return render_markdown(self, max_rows=max_rows)
 
     def __str__(self) -> str:
         return self.to_text()

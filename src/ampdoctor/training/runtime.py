@@ -65,7 +65,7 @@ from ..capture.model import unwrap_model
 from ..capture.stats import format_limits
 from ..capture.walk import iter_tensors
 from ..errors import AmpDoctorError
-from ..records import ModuleInfo, PassTrace, RunInfo, StepRecord
+from ..records import FrozenMap, ModuleInfo, PassTrace, RunInfo, RunStatus, StepRecord, Verdict
 from ..report import Report
 from ..serial import from_plain, to_plain
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
@@ -95,7 +95,9 @@ MAX_RUNS_KEPT = 1000
 TREND_DROP_BITS = 1.0
 TREND_MIN_SAMPLES = 3
 # Run states.
-HARMLESS, PERSISTENT, OPEN = "harmless", "persistent", "open"
+HARMLESS: RunStatus = "harmless"
+PERSISTENT: RunStatus = "persistent"
+OPEN: RunStatus = "open"
 BUNDLE_FORMAT = "ampdoctor-bundle"
 BUNDLE_VERSION = 1
 _ERRORS_KEPT = 5
@@ -203,7 +205,7 @@ class _Run:
 
     start: int
     end: Optional[int] = None  # the last bad step, once the run has ended with a good step
-    status: str = OPEN
+    status: RunStatus = OPEN
     persistent_step: Optional[int] = None
     reason: str = ""
     skips: int = 0
@@ -704,10 +706,10 @@ class Watch:
             new_scale=scale_after,
             micro_batches=forwards,
             sampled=sampled,
-            out_abs_max=out_max,
-            grad_abs_max=grad_max,
-            nonfinite_outputs=bad_out,
-            nonfinite_grads=bad_grad,
+            out_abs_max=FrozenMap(out_max),
+            grad_abs_max=FrozenMap(grad_max),
+            nonfinite_outputs=tuple(bad_out),
+            nonfinite_grads=tuple(bad_grad),
             # this rank's own forward, or its own gradients before any all-reduce, went non-finite
             local_nonfinite=not forward_finite or bool(bad_out) or bool(bad_grad),
         )
@@ -726,7 +728,7 @@ class Watch:
                     run.harmless_scale = record.scale
                 self._open_run = None
             return record
-        capture_kind: Optional[str] = None
+        capture_kind: Optional[RunStatus] = None
         if run is None:
             run = self._open_run = _Run(start=record.step)
             if len(self._runs) >= MAX_RUNS_KEPT:
@@ -1021,7 +1023,7 @@ def _with_capture(record: StepRecord, report: Report, local: Optional[bool]) -> 
         record,
         forward_origin=fwd.label if fwd else None,
         backward_origin=bwd.label if bwd else None,
-        nonfinite_params=params,
+        nonfinite_params=tuple(params),
         captured=True,
         capture_verdict=report.verdict,
         local_nonfinite=record.local_nonfinite or bool(local),
@@ -1031,7 +1033,7 @@ def _with_capture(record: StepRecord, report: Report, local: Optional[bool]) -> 
 def _add_notes(report: Report, notes: list[str]) -> Report:
     if not notes:
         return report
-    run = dataclasses.replace(report.run, notes=[*report.run.notes, *[n for n in notes if n not in report.run.notes]])
+    run = dataclasses.replace(report.run, notes=(*report.run.notes, *[n for n in notes if n not in report.run.notes]))
     return dataclasses.replace(report, run=run)
 
 
@@ -1248,7 +1250,7 @@ def replay_bundle(
         notes.append("the inputs were modified in place after the failing forward; the bundle holds their later values")
     if loss_fn is None and not backward:
         notes.append("forward only: pass loss_fn (CLI: --loss pkg.mod:fn) to replay the backward too")
-    return dataclasses.replace(_add_notes(report, notes), steps=steps)
+    return dataclasses.replace(_add_notes(report, notes), steps=tuple(steps))
 
 
 # -- composing the report (from plain payloads: the same code merges ranks) --------------------------------
@@ -1258,17 +1260,17 @@ def _runs_of(payload: Mapping[str, Any]) -> list[_Run]:
     return [_Run(**r) for r in payload.get("runs", [])]
 
 
-_SEVERITY = {HARMLESS: 0, OPEN: 1, PERSISTENT: 2}
+_SEVERITY: dict[RunStatus, int] = {HARMLESS: 0, OPEN: 1, PERSISTENT: 2}
 
 
 def _annotate(steps: list[StepRecord], runs: list[_Run]) -> list[StepRecord]:
     """Each step of a run of bad steps gets the run's verdict; with several ranks, the gravest one."""
-    status: dict[int, str] = {}
+    status: dict[int, RunStatus] = {}
     bad_steps = {s.step for s in steps if s.skipped or not s.forward_finite}
     for run in runs:
         last = run.end if run.end is not None else math.inf
         for step in bad_steps:
-            if run.start <= step <= last and _SEVERITY[run.status] >= _SEVERITY.get(status.get(step, ""), -1):
+            if run.start <= step <= last and (step not in status or _SEVERITY[run.status] >= _SEVERITY[status[step]]):
                 status[step] = run.status
     return [dataclasses.replace(s, run=status.get(s.step)) if s.step in status else s for s in steps]
 
@@ -1281,7 +1283,7 @@ def _first_local(payloads: list[dict[str, Any]]) -> Optional[tuple[int, int]]:
 
 def _empty_trace(scale: float) -> PassTrace:
     return PassTrace(
-        scale=scale, detailed=False, calls=[], grad_events=[], batch=[], output=[], loss=None, backward_ran=False
+        scale=scale, detailed=False, calls=(), grad_events=(), batch=(), output=(), loss=None, backward_ran=False
     )
 
 
@@ -1321,7 +1323,7 @@ def compose_report(payloads: list[dict[str, Any]], me: int = 0) -> Report:
             failure_rank = captures[0]["rank"]
 
     findings = _findings(base, steps, runs, persistent, dtype, warnings)
-    findings = dataclasses.replace(findings, warnings=[*findings.warnings, *warnings, *_trend_warnings(steps, dtype)])
+    findings = dataclasses.replace(findings, warnings=(*findings.warnings, *warnings, *_trend_warnings(steps, dtype)))
     notes += _summary(own, steps, runs)
     if merged:
         notes.append(_rank_note(payloads, steps, first_local, me))
@@ -1341,8 +1343,8 @@ def compose_report(payloads: list[dict[str, Any]], me: int = 0) -> Report:
         notes.append(text)
 
     if base is not None:
-        run_info = dataclasses.replace(base.run, notes=[*base.run.notes, *notes])
-        return Report(run_info, base.modules, base.trace, findings, base.recommendations, steps=steps)
+        run_info = dataclasses.replace(base.run, notes=(*base.run.notes, *notes))
+        return Report(run_info, base.modules, base.trace, findings, base.recommendations, steps=tuple(steps))
     limits = format_limits(_DTYPES.get(dtype, torch.float16))
     scale = float(own.get("scale") or 1.0)
     run_info = RunInfo(
@@ -1356,10 +1358,10 @@ def compose_report(payloads: list[dict[str, Any]], me: int = 0) -> Report:
         loss_source="scaler.scale(loss)",
         model_class=str(own["model_class"]),
         autocast_note="",
-        notes=notes,
+        notes=tuple(notes),
     )
-    modules = [ModuleInfo(name, cls) for name, cls in own["modules"]]
-    return Report(run_info, modules, _empty_trace(scale), findings, [], steps=steps)
+    modules = tuple(ModuleInfo(name, cls) for name, cls in own["modules"])
+    return Report(run_info, modules, _empty_trace(scale), findings, (), steps=tuple(steps))
 
 
 def _findings(
@@ -1376,7 +1378,8 @@ def _findings(
         if base is not None and (base.forward_origin is not None or base.backward_origin is not None):
             return base.findings
         failing = next((s for s in steps if s.step == first.persistent_step), None)
-        verdict = "nan" if failing is not None and failing.loss is not None and math.isnan(failing.loss) else "overflow"
+        nan_loss = failing is not None and failing.loss is not None and math.isnan(failing.loss)
+        verdict: Verdict = "nan" if nan_loss else "overflow"
         why = (
             "the capture did not reproduce it"
             if base is not None
@@ -1385,7 +1388,7 @@ def _findings(
         warnings.append(f"persistent failure from step {first.persistent_step}: {first.reason}; {why}")
         if base is not None:
             return dataclasses.replace(base.findings, verdict=verdict)
-        return Findings(verdict, None, None, [], [], None, None, [])
+        return Findings(verdict, None, None, (), (), None, None, ())
     if runs:
         open_runs = [r for r in runs if r.status == OPEN]
         for r in open_runs:
@@ -1396,7 +1399,7 @@ def _findings(
         if base is not None:
             scale = base.findings.scale or _scale_from_runs(runs)
             return dataclasses.replace(base.findings, verdict="scale_overflow", scale=scale)
-        return Findings("scale_overflow", None, None, [], [], None, _scale_from_runs(runs), [])
+        return Findings("scale_overflow", None, None, (), (), None, _scale_from_runs(runs), ())
     near: list[NearLimit] = []
     sampled = [s for s in steps if s.sampled]
     if sampled:
@@ -1410,7 +1413,7 @@ def _findings(
                 if bits is not None and bits < HEADROOM_WARN_BITS:
                     near.append(NearLimit(module, 0, "out", value, bits))
         near.sort(key=lambda n: n.headroom_bits)
-    return Findings("healthy", None, None, [], near, None, None, [])
+    return Findings("healthy", None, None, (), tuple(near), None, None, ())
 
 
 def _scale_from_runs(runs: list[_Run]) -> Optional[ScaleFinding]:
@@ -1421,7 +1424,7 @@ def _scale_from_runs(runs: list[_Run]) -> Optional[ScaleFinding]:
     r = ended[0]
     good = float(r.harmless_scale or 1.0)
     used = good * 2.0 ** max(1, r.skips)
-    return ScaleFinding(used, [ScaleProbe(good, True), ScaleProbe(used, False)], good, None, used)
+    return ScaleFinding(used, (ScaleProbe(good, True), ScaleProbe(used, False)), good, None, used)
 
 
 def _merged_runs(runs: list[_Run]) -> list[_Run]:

@@ -1,0 +1,58 @@
+"""Small pieces shared by the HTML renderers: escaping, cells, the legend, numbers. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from html import escape
+
+from ..records import TensorStats
+from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
+from .document import describe_bad
+
+# Names listed inline (propagation, not captured) before "and N more".
+INLINE_NAMES = 8
+
+
+def _e(value: object) -> str:
+    return escape(str(value), quote=True)
+
+
+def _code(value: object) -> str:
+    return f"<code>{_e(value)}</code>"
+
+
+def _shape(shape: Iterable[int]) -> str:
+    dims = list(shape)
+    return "×".join(str(d) for d in dims) if dims else "scalar"
+
+
+def _nonfinite(stats: TensorStats) -> str:
+    if not stats.measured or stats.is_finite:
+        return ""
+    return describe_bad(stats)
+
+
+def _names(labels: Sequence[str]) -> str:
+    shown = ", ".join(_code(label) for label in labels[:INLINE_NAMES])
+    more = len(labels) - INLINE_NAMES
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _td(text: str, num: bool = False, raw: bool = False, attrs: str = "") -> str:
+    cls = ' class="ad-num"' if num else ""
+    return f"<td{cls}{attrs}>{text if raw else _e(text)}</td>"
+
+
+def _legend() -> str:
+    keys = (
+        ("nonfinite", "inf/NaN"),
+        ("warn", f"< {HEADROOM_WARN_BITS:g} bit"),
+        ("tight", f"< {HEADROOM_TIGHT_BITS:g} bits"),
+        ("fine", "fine"),
+    )
+    return (
+        '<span class="ad-legend">'
+        + "".join(f'<span class="ad-key ad-{k}"></span>{_e(label)}' for k, label in keys)
+        + "</span>"
+    )
+
