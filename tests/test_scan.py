@@ -516,17 +516,23 @@ def test_findings_carry_data_and_the_json_keeps_the_words(tmp_path: Path) -> Non
     assert data["findings"][1]["message"].startswith("they become inf when autocast casts them: fc.weight")
 
 
-def test_a_report_equals_itself_after_a_json_round_trip(tmp_path: Path) -> None:
-    # No NaN here: TensorStats compares NaN fields as unequal until records.NanEq lands (the lead's change).
+def test_a_report_equals_itself_after_a_json_round_trip_and_is_hashable(tmp_path: Path) -> None:
     ckpt = {
-        "model": {"w": torch.tensor([1.0, float("inf")]), "q": torch.ones(4).to(torch.float8_e4m3fn)},
+        "model": {"w": torch.tensor([1.0, float("inf"), float("nan")]), "q": torch.ones(4).to(torch.float8_e4m3fn)},
+        "optimizer": training_checkpoint()["optimizer"],  # NaN in exp_avg_sq
         "scaler": {"scale": 0.5, "_growth_tracker": 0},
     }
     report = scan(save(ckpt, tmp_path / "r.pt"))
+    assert report.verdict == "overflow" and report.tensor("model.w").stats.nan_count == 1
     again = ScanReport.from_json(report.to_json())
-    assert again == report
+    assert again == report and hash(again) == hash(report)
     assert isinstance(again.findings, tuple) and isinstance(again.tensors[0].stats.shape, tuple)
+    assert again.files[0].saved_on == {"cpu": report.files[0].tensors}
     assert again.to_markdown() == report.to_markdown()
+    data = json.loads(report.to_json())
+    data["findings"][0]["kind"] = "no_such_kind"  # Literal names are checked on the way in
+    with pytest.raises(AmpDoctorError, match="malformed ampdoctor scan report: 'no_such_kind' is not one of"):
+        ScanReport.from_dict(data)
 
 
 def test_the_scan_analysis_and_records_import_no_renderer() -> None:

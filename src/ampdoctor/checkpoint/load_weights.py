@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..capture.model import strip_wrapper_prefixes
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
 from ..progress import NO_PROGRESS, Progress
+from ..records import FrozenMap
 from .safe_load import SafetensorsMapping, checkpoint_files, is_malicious, load_file, refusal
 from .scan import _MAX_DEPTH, is_optimizer_state, is_scaler_state, join_key, number
 
@@ -24,7 +25,7 @@ class LoadedWeights:
 
     files: tuple[str, ...]
     tensors: int
-    saved_on: dict[str, int]
+    saved_on: FrozenMap[str, int]
     scaler_scale: Optional[float]  # the first GradScaler state's scale, when the checkpoint has one
     scaler_path: str = ""
 
@@ -193,7 +194,7 @@ def load_weights(
     return LoadedWeights(
         files=tuple(used),
         tensors=len(seen),
-        saved_on=dict(locations),
+        saved_on=FrozenMap(locations),
         scaler_scale=None if scaler is None else scaler[0],
         scaler_path="" if scaler is None else scaler[1],
     )

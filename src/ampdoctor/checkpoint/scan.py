@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from .._version import __version__
 from ..errors import AmpDoctorError, CheckpointError, CheckpointRefused, InvalidInput
 from ..progress import LARGE_TENSOR_NUMEL, NO_PROGRESS, Progress
-from ..records import TensorStats
+from ..records import FrozenMap, TensorStats
 from .safe_load import checkpoint_files, first_line, is_malicious, load_file, refusal
 from .scan_analysis import analyse_scan
 from .scan_records import (
@@ -272,7 +272,7 @@ def _scan_file(path: Path, label: str, allow_globals: Sequence[str], unsafe_load
         size_bytes=path.stat().st_size,
         tensors=len(tensors),
         memory_mapped=mapped,
-        saved_on=_count_locations(tensors),
+        saved_on=FrozenMap(_count_locations(tensors)),
         skipped="holds no tensors" if empty else "",
     )
     return _Found(info, tensors, scan.optimizers, scan.scalers, scan.formats, scan.notes)

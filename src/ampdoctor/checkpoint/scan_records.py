@@ -1,5 +1,8 @@
 """Records of a checkpoint scan (no torch objects inside): ``ScanReport.from_json`` and rendering need no torch.
 
+Frozen and hashable (tuples and FrozenMap, never lists or dicts); ``ScanReport.from_json(r.to_json()) == r``,
+NaN statistics included.
+
 Findings carry data (kind, severity, the tensors concerned, the numbers that matter), never prose: the renderers
 in :mod:`ampdoctor.report.scan_text` and :mod:`ampdoctor.report.scan_markdown` write the sentences. The JSON
 form adds each finding's ``title`` and ``message`` as the text report words them, for readers of the file.
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from ..analysis.headroom import headroom_bits
-from ..records import FormatLimits, TensorStats
+from ..records import FormatLimits, FrozenMap, TensorStats
 from ..serial import json_object, load_versioned, to_plain
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
@@ -72,7 +75,7 @@ class ScannedFile:
     size_bytes: int
     tensors: int = 0
     memory_mapped: bool = False
-    saved_on: dict[str, int] = field(default_factory=dict)
+    saved_on: FrozenMap[str, int] = field(default_factory=FrozenMap)
     skipped: str = ""  # why the file was not scanned (in a directory scan: refused, or no tensors)
     refused: tuple[str, ...] = ()  # the globals torch.load(weights_only=True) refused
 
