@@ -22,7 +22,6 @@ import ampdoctor
 from ampdoctor.checkpoint.scan_records import ScanReport
 from ampdoctor.cli.main import main
 from ampdoctor.demo import DEMO_ORIGIN, make_demo
-from ampdoctor.errors import AmpDoctorError
 from ampdoctor.report import Report
 
 DEMO_FACTORY = "ampdoctor.demo:DemoTransformer"
@@ -66,7 +65,7 @@ def test_scan_inf_exits_1_with_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     path = save(state, tmp_path / "bad.pt")
     assert main(["scan", str(path), "--format", "json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    assert data["verdict"] == "overflow" and data["schema_version"] == "1.0"
+    assert data["verdict"] == "overflow" and data["exit_code"] == 1 and data["schema_version"] == "1.1"
     report = ScanReport.from_dict(data)
     assert report.tensor("fc.weight").stats.posinf_count == 1
     assert {f.kind for f in report.errors()} == {"nonfinite", "beyond_range"}
@@ -79,7 +78,7 @@ def test_scan_markdown_to_file(tmp_path: Path, capsys: pytest.CaptureFixture[str
     out_file = tmp_path / "report.md"
     assert main(["scan", str(path), "--format", "markdown", "-o", str(out_file)]) == 0
     assert capsys.readouterr().out == ""
-    assert out_file.read_text().startswith("## ampdoctor scan: healthy\n\n```text\n")
+    assert out_file.read_text().startswith("## ampdoctor scan: healthy\n\n")
     assert [p.name for p in ckpt_dir.iterdir()] == ["model.pt"]
 
 
@@ -87,7 +86,7 @@ def test_scan_refuses_to_write_over_the_checkpoint(tmp_path: Path, capsys: pytes
     path = healthy(tmp_path / "model.pt")
     before = fingerprint(tmp_path)
     assert main(["scan", str(path), "-o", str(path)]) == 2
-    assert "never writes there" in one_error_line(capsys.readouterr().err)
+    assert "never writes over an input" in one_error_line(capsys.readouterr().err)
     assert fingerprint(tmp_path) == before
 
 
@@ -196,9 +195,13 @@ def test_scan_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.Cap
     assert out == "" and str(path) in one_error_line(err)
 
 
-def test_debug_shows_the_traceback(tmp_path: Path) -> None:
-    with pytest.raises(AmpDoctorError, match="no such file"):
-        main(["--debug", "scan", str(tmp_path / "missing.pt")])
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.pt"
+    assert main(["--debug", "scan", str(missing)]) == 2  # it used to re-raise: exit 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):")
+    assert "ampdoctor.errors.InvalidInput" in err
+    assert err.splitlines()[-1] == f"ampdoctor: error: {missing}: no such file or directory"
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
@@ -306,7 +309,9 @@ def test_progress_only_when_stderr_is_a_terminal(
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(["scan", str(shards)]) == 0
     err = capsys.readouterr().err
-    assert "reading 1/2 part-0.pt" in err and "reading 2/2 part-1.pt" in err
+    assert "ampdoctor: reading 0/2" in err and "part-0.pt" in err and "part-1.pt" in err
+    assert main(["scan", str(shards), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when CUDA is absent")

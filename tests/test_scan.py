@@ -6,8 +6,10 @@ Each checkpoint carries its expected answer; the arithmetic is in the comments. 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import weakref
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,9 @@ from ampdoctor.checkpoint import scan as scan_module
 from ampdoctor.checkpoint.load_weights import load_weights
 from ampdoctor.checkpoint.safe_load import UnsafeLoadWarning
 from ampdoctor.checkpoint.scan import scan
-from ampdoctor.checkpoint.scan_records import ScanReport
+from ampdoctor.checkpoint.scan_records import ScanFinding, ScanReport, StorageFormat
 from ampdoctor.errors import AmpDoctorError, CheckpointRefused
+from ampdoctor.report.scan_text import finding_message, finding_title
 
 # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -87,7 +90,7 @@ def test_non_finite_weights(tmp_path: Path, value: float, verdict: str) -> None:
     report = scan(save(state, tmp_path / "bad.pt"))
     assert report.verdict == verdict and report.exit_code == 1
     (finding,) = [f for f in report.errors() if f.kind == "nonfinite"]
-    assert finding.tensors == ["2.weight"]
+    assert finding.tensors == ("2.weight",)
     assert "2.weight" in str(report).splitlines()[0] or "inf/NaN" in str(report).splitlines()[0]
     summary = {m.module: m for m in report.by_module()}["2"]
     assert summary.nan_count + summary.inf_count == 1
@@ -102,7 +105,8 @@ def test_beyond_fp16_counts_only_values_that_round_to_inf(tmp_path: Path) -> Non
     assert t.bf16_overflow_count == 0  # bfloat16 has float32's range
     assert report.verdict == "overflow"
     (finding,) = [f for f in report.errors() if f.kind == "beyond_range"]
-    assert finding.title == "3 weight value(s) beyond the float16 range (|x| >= 65520)"
+    assert finding.count == 3 and finding.worst == "layer.weight" and finding.worst_value == 1e6
+    assert finding_title(finding, report) == "3 weight value(s) beyond the float16 range (|x| >= 65520)"
     # The same checkpoint is fine for bfloat16.
     assert scan(tmp_path / "range.pt", dtype="bfloat16").verdict == "healthy"
 
@@ -146,16 +150,19 @@ def test_training_checkpoint_collapsed_scaler_and_nan_optimizer_state(tmp_path: 
     assert scaler.path == "scaler" and scaler.scale == 2.0**-14 and scaler.collapsed
     assert scaler.growth_tracker == 0
     (opt,) = report.optimizers
-    assert opt.path == "optimizer" and opt.states == 4 and opt.eps == [1e-8] and opt.state_dtypes == ["float32"]
+    assert opt.path == "optimizer" and opt.states == 4 and opt.eps == (1e-8,) and opt.state_dtypes == ("float32",)
     bad = report.tensor("optimizer.state.0.exp_avg_sq")
     assert bad.role == "optimizer" and bad.stats.nan_count == 1
     nonfinite = next(f for f in report.errors() if f.kind == "optimizer_nonfinite")
-    assert "exp_avg_sq" in nonfinite.message and nonfinite.verdict == "nan"
+    assert nonfinite.tensors == ("optimizer.state.0.exp_avg_sq",) and nonfinite.verdict == "nan"
+    assert finding_title(nonfinite, report) == "Adam's second moment (exp_avg_sq) is non-finite for 1 parameter(s)"
     collapsed = next(f for f in report.errors() if f.kind == "scaler_collapsed")
-    assert collapsed.title == "GradScaler scale collapsed to 6.10352e-05 (2**-14): persistent overflow"
-    assert "non-finite even unscaled" in collapsed.message
-    # eps 1e-8 is below float16's 2**-25 flush edge, but the state is float32: a note, not an error.
-    assert "eps_zero" in kinds(report, "note")
+    assert (collapsed.scale, collapsed.growth_tracker, collapsed.tensors) == (2.0**-14, 0, ("scaler",))
+    assert finding_title(collapsed, report) == "GradScaler scale collapsed to 6.10352e-05 (2**-14): persistent overflow"
+    assert "non-finite even unscaled" in finding_message(collapsed, report)
+    # eps 1e-8 is below float16's 2**-25 flush edge, but the state is float32, which autocast never runs in
+    # float16: no finding at all (it used to be a note on every healthy Adam checkpoint).
+    assert not [f for f in report.findings if f.kind == "eps_zero"]
     # Weights are grouped per module; optimizer state is kept out of the module table.
     assert [m.module for m in report.by_module()] == ["model.0", "model.2"]
     text = str(report)
@@ -169,7 +176,7 @@ def test_float16_optimizer_state_with_zero_eps_is_an_error(tmp_path: Path) -> No
     del ckpt["scaler"]
     report = scan(save(ckpt, tmp_path / "half.pt"))
     eps = next(f for f in report.errors() if f.kind == "eps_zero")
-    assert eps.verdict == "nan" and "1e-08" in eps.title
+    assert eps.verdict == "nan" and eps.eps == (1e-8,) and "1e-08" in finding_title(eps, report)
     assert "optimizer_fp16_state" in kinds(report, "warning")
 
 
@@ -315,7 +322,8 @@ def test_records_whether_tensors_were_saved_from_cuda(tmp_path: Path, monkeypatc
     report = scan(path)
     assert report.saved_from_cuda and report.saved_on == {"cuda:0": 4}
     assert report.tensor("0.weight").saved_on == "cuda:0"
-    assert "saved_from_cuda" in kinds(report, "note")
+    assert not report.findings  # where tensors were saved is a fact of the report, not a note
+    assert "Saved on: cuda:0 (4 tensors)" in str(report)
 
 
 # -- records, JSON, API --------------------------------------------------------------------------------------
@@ -416,3 +424,151 @@ def test_saved_scan_report_renders_without_torch(tmp_path: Path) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.startswith("ampdoctor scan: OVERFLOW")
+
+
+# -- float8 checkpoints: judged against their own format ---------------------------------------------------------
+
+
+def test_float8_e4m3fn_is_read_and_judged_against_its_own_max(tmp_path: Path) -> None:
+    # e4m3fn: max 448, no inf. 3 of the 8 values sit at +-448 (clipped when quantized): 37.5 % >= 1 %.
+    values = torch.tensor([0.5, 1.0, 448.0, -448.0, 448.0, 2.0, 0.0, 3.0]).to(torch.float8_e4m3fn)
+    report = scan(save({"q.weight": values, "b.bias": torch.ones(2)}, tmp_path / "fp8.pt"))
+    t = report.tensor("q.weight")
+    assert t.stats.dtype == "float8_e4m3fn" and t.stats.numel == 8
+    assert (t.stats.abs_max, t.at_max_count, t.stats.zero_count) == (448.0, 3, 1)
+    assert t.stats.cast_overflow_count == 0 and t.bf16_flush_count == 0  # float8 values always fit float16
+    assert report.storage_formats == (StorageFormat("float8_e4m3fn", 448.0, 2.0**-6, has_inf=False),)
+    assert report.headroom(t) == 0.0  # against 448, not against float16's 65504
+    assert report.verdict == "healthy"
+    (saturated,) = report.findings
+    assert (saturated.kind, saturated.severity, saturated.count, saturated.worst) == (
+        "float8_saturated",
+        "warning",
+        3,
+        "q.weight",
+    )
+    assert saturated.worst_value == pytest.approx(3 / 8)
+    assert finding_title(saturated, report) == "3 float8 value(s) sit at their format's max (float8_e4m3fn max 448)"
+    assert "1 tensor(s) stored in float8_e4m3fn: judged against its own max 448 (no inf" in str(report)
+
+
+def test_float8_nan_and_inf_are_findings(tmp_path: Path) -> None:
+    nan8 = torch.tensor([1.0, float("nan"), 2.0]).to(torch.float8_e4m3fn)  # e4m3fn's only non-finite value
+    inf8 = torch.tensor([1.0, float("-inf")]).to(torch.float8_e5m2)  # e5m2 has inf
+    report = scan(save({"a.weight": nan8}, tmp_path / "nan8.pt"))
+    assert report.verdict == "nan" and report.tensor("a.weight").stats.nan_count == 1
+    message = finding_message(report.errors()[0], report)
+    assert message.startswith("a.weight (float8_e4m3fn): 1 NaN of 3 values; float8_e4m3fn has no inf")
+    report = scan(save({"b.weight": inf8}, tmp_path / "inf8.pt"))
+    assert report.verdict == "overflow" and report.tensor("b.weight").stats.neginf_count == 1
+    assert report.storage_format("float8_e5m2") == StorageFormat("float8_e5m2", 57344.0, 2.0**-14, has_inf=True)
+
+
+def test_float8_safetensors(tmp_path: Path) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = tmp_path / "fp8.safetensors"
+    safetensors_torch.save_file({"w": torch.tensor([1.0, -2.0, 0.25]).to(torch.float8_e5m2)}, str(path))
+    report = scan(path)
+    assert report.tensor("w").stats.dtype == "float8_e5m2" and report.tensor("w").stats.abs_max == 2.0
+    assert report.verdict == "healthy" and not report.findings
+
+
+# -- notes only when they matter ---------------------------------------------------------------------------------
+
+
+def test_a_healthy_adam_checkpoint_has_no_notes(tmp_path: Path) -> None:
+    # Twenty Adam steps with small gradients: exp_avg_sq holds values below float16's subnormals, and eps 1e-8 is 0
+    # in float16. Both used to be notes on every such checkpoint; with float32 optimizer state neither matters.
+    model = small_model()
+    opt = torch.optim.Adam(model.parameters())
+    for _ in range(20):
+        opt.zero_grad()
+        (model(torch.randn(4, 8)).sum() * 1e-3).backward()
+        opt.step()
+    scaler = torch.amp.GradScaler("cpu").state_dict()
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler}
+    report = scan(save(ckpt, tmp_path / "adam.pt"))
+    sq = [t for t in report.tensors if t.key == "exp_avg_sq"]
+    assert sum(t.flush_count("float16") for t in sq) > 0  # the values a float16 optimizer would lose exist
+    assert report.findings == () and report.notes == ()
+    assert "Notes" not in str(report) and "Warnings" not in str(report)
+
+
+# -- records: tuples, Literal names, data not prose, equality after JSON ------------------------------------------
+
+
+def test_findings_carry_data_and_the_json_keeps_the_words(tmp_path: Path) -> None:
+    state = {"fc.weight": torch.tensor([[1.0, float("inf")], [70000.0, 2.0]]), "fc.bias": torch.ones(2)}
+    report = scan(save(state, tmp_path / "bad.pt"))
+    fields = {f.name for f in dataclasses.fields(ScanFinding)}
+    assert not fields & {"title", "message"}  # analysis writes no prose
+    nonfinite, beyond = report.errors()
+    assert (nonfinite.kind, nonfinite.tensors, nonfinite.verdict, nonfinite.role) == (
+        "nonfinite",
+        ("fc.weight",),
+        "overflow",
+        "weights",
+    )
+    assert (beyond.kind, beyond.count, beyond.worst, beyond.worst_value) == ("beyond_range", 1, "fc.weight", 70000.0)
+    data = json.loads(report.to_json())
+    assert data["exit_code"] == 1 and data["verdict"] == "overflow"
+    assert data["findings"][1]["title"] == "1 weight value(s) beyond the float16 range (|x| >= 65520)"
+    assert data["findings"][1]["message"].startswith("they become inf when autocast casts them: fc.weight")
+
+
+def test_a_report_equals_itself_after_a_json_round_trip_and_is_hashable(tmp_path: Path) -> None:
+    ckpt = {
+        "model": {"w": torch.tensor([1.0, float("inf"), float("nan")]), "q": torch.ones(4).to(torch.float8_e4m3fn)},
+        "optimizer": training_checkpoint()["optimizer"],  # NaN in exp_avg_sq
+        "scaler": {"scale": 0.5, "_growth_tracker": 0},
+    }
+    report = scan(save(ckpt, tmp_path / "r.pt"))
+    assert report.verdict == "overflow" and report.tensor("model.w").stats.nan_count == 1
+    again = ScanReport.from_json(report.to_json())
+    assert again == report and hash(again) == hash(report)
+    assert isinstance(again.findings, tuple) and isinstance(again.tensors[0].stats.shape, tuple)
+    assert again.files[0].saved_on == {"cpu": report.files[0].tensors}
+    assert again.to_markdown() == report.to_markdown()
+    data = json.loads(report.to_json())
+    data["findings"][0]["kind"] = "no_such_kind"  # Literal names are checked on the way in
+    with pytest.raises(AmpDoctorError, match="malformed ampdoctor scan report: 'no_such_kind' is not one of"):
+        ScanReport.from_dict(data)
+
+
+def test_the_scan_analysis_and_records_import_no_renderer() -> None:
+    import ast
+
+    root = Path(scan_records.__file__).parent
+    for name in ("scan_analysis.py", "scan_records.py", "safe_load.py", "sniff.py"):
+        tree = ast.parse((root / name).read_text())
+        top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        modules = [n.module or "" for n in top_level if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in modules if m.startswith("report") or ".report" in m], (name, modules)
+        assert not [m for m in modules if m.startswith("torch")], (name, modules)
+
+
+# -- markdown ----------------------------------------------------------------------------------------------------
+
+
+def test_markdown_is_real_markdown(tmp_path: Path) -> None:
+    report = scan(save(training_checkpoint(), tmp_path / "train.pt"))
+    md = report.to_markdown()
+    lines = md.splitlines()
+    assert lines[0] == "## ampdoctor scan: overflow" and "```text" not in md
+    assert "### Findings" in lines and "### GradScaler state" in lines and "### Modules (worst first, 2 shown)" in lines
+    header = lines.index(
+        "| module | tensors | values | NaN | inf | >float16 max | flush fp16 | flush bf16 | \\|x\\|max "
+        "| headroom bits |"
+    )
+    assert lines[header + 1] == "|---|---|---|---|---|---|---|---|---|---|"
+    assert lines[header + 2].startswith("| `model.2` | 2 | 18 | 0 | 0 | 0 | 0 | 0 |")  # worst (least headroom) first
+    assert "| `optimizer.state.0.exp_avg_sq` | float32 | 8x8 | 1 |" in md
+    assert "1. **GradScaler scale collapsed to 6.10352e-05 (2\\*\\*-14): persistent overflow**  " in lines
+    assert lines[-3:] == [
+        "```bash",
+        f"ampdoctor diagnose {tmp_path / 'train.pt'} --model MODULE:FACTORY --input-shape SHAPE   # where the first "
+        "inf/NaN is made",
+        "```",
+    ]
+    cells = [len(re.findall(r"(?<!\\)\|", line)) for line in lines[header : header + 4]]
+    assert cells == [11, 11, 11, 11]  # every row of the table has the header's 10 cells

@@ -9,20 +9,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..capture.model import strip_wrapper_prefixes
-from ..errors import AmpDoctorError, CheckpointRefused
-from .safe_load import SafetensorsMapping, checkpoint_files, load_file, refusal
-from .scan import _MAX_DEPTH, ProgressFn, is_optimizer_state, is_scaler_state, join_key, number
+from ..errors import CheckpointError, CheckpointRefused, InvalidInput
+from ..progress import NO_PROGRESS, Progress
+from ..records import FrozenMap
+from .safe_load import SafetensorsMapping, checkpoint_files, is_malicious, load_file, refusal
+from .scan import _MAX_DEPTH, is_optimizer_state, is_scaler_state, join_key, number
 
 if TYPE_CHECKING:
     from torch import nn
+
 
 @dataclass(frozen=True)
 class LoadedWeights:
     """What :func:`load_weights` put into the model and what else the checkpoint said."""
 
-    files: list[str]
+    files: tuple[str, ...]
     tensors: int
-    saved_on: dict[str, int]
+    saved_on: FrozenMap[str, int]
     scaler_scale: Optional[float]  # the first GradScaler state's scale, when the checkpoint has one
     scaler_path: str = ""
 
@@ -103,7 +106,7 @@ def load_weights(
     *,
     allow_globals: Sequence[str] = (),
     unsafe_load: bool = False,
-    progress: Optional[ProgressFn] = None,
+    progress: Optional[Progress] = None,
 ) -> LoadedWeights:
     """Load a checkpoint's weights into ``model`` (strictly: every key, every shape).
 
@@ -111,7 +114,9 @@ def load_weights(
     best); DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.`` prefixes are dropped. A directory of shards
     is loaded one file at a time, twice: the first round only checks keys and shapes, so a checkpoint that does
     not fit leaves the model untouched. Raises :class:`AmpDoctorError` naming missing and unexpected keys and
-    shape mismatches. The checkpoint is only read.
+    shape mismatches. A file of a directory that names a global able to run code refuses the whole directory;
+    when weights are missing and other files were refused, the refusal is the error (the weights may be there).
+    The checkpoint is only read.
     """
     import torch
 
@@ -126,15 +131,17 @@ def load_weights(
     scaler: Optional[tuple[float, str]] = None
     used: list[str] = []
     refusals: list[CheckpointRefused] = []
-    for index, file in enumerate(files):  # first round: check every file, load nothing
-        if progress is not None:
-            progress(index, len(files), file.name)
+    shown = progress or NO_PROGRESS
+    shown.stage("checking the checkpoint", total=len(files))
+    for file in files:  # first round: check every file, load nothing
+        shown.detail(file.name)
         try:
             loaded = load_file(file, allow_globals, unsafe_load)
         except CheckpointRefused as refused:
-            if not root.is_dir():
+            if not root.is_dir() or is_malicious(refused):
                 raise
             refusals.append(refused)
+            shown.advance()
             continue
         if scaler is None:
             scaler = _find_scaler(loaded.obj)
@@ -154,11 +161,13 @@ def load_weights(
                 fits[key] = value
         seen.update(fits)
         del loaded, part, fits
-    if refusals and len(refusals) == len(files):
-        raise refusal(str(root), list(dict.fromkeys(n for r in refusals for n in r.blocking)))
-    if not used:
-        raise AmpDoctorError(f"{root}: no file in it holds weights for this model")
+        shown.advance()
     missing = sorted(k for k in wanted - seen - set(mismatched) if not _tied_to(k, own, seen))
+    if refusals and (missing or not used):
+        where = f"{root} ({', '.join(Path(r.path).name for r in refusals)})"
+        raise refusal(where, [n for r in refusals for n in r.blocking])
+    if not used:
+        raise CheckpointError(f"{root}: no file in it holds weights for this model")
     if missing or unexpected or mismatched:
         parts = []
         if missing:
@@ -167,21 +176,25 @@ def load_weights(
             parts.append(f"{len(unexpected)} unexpected: {_short_list(sorted(unexpected))}")
         if mismatched:
             parts.append(f"{len(mismatched)} shape mismatch(es): {_short_list(list(mismatched.values()))}")
-        raise AmpDoctorError(
+        raise InvalidInput(
             f"the weights in {root} do not fit the model ({type(model).__name__}): {'; '.join(parts)}; "
             "check that --model and --model-kwargs build the model that was trained"
         )
+    shown.stage("loading the weights", total=len(used))
     for name in used:  # second round: everything fits; load one file at a time
+        shown.detail(name)
         loaded = load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load)
         part, _ = _best_state_dict(loaded.obj, wanted)
         del loaded
         with torch.no_grad():
             model.load_state_dict(part, strict=False)
         del part
+        shown.advance()
+    shown.close()
     return LoadedWeights(
-        files=used,
+        files=tuple(used),
         tensors=len(seen),
-        saved_on=dict(locations),
+        saved_on=FrozenMap(locations),
         scaler_scale=None if scaler is None else scaler[0],
         scaler_path="" if scaler is None else scaler[1],
     )
@@ -218,4 +231,3 @@ def _find_scaler(obj: Any, name: str = "", depth: int = 0) -> Optional[tuple[flo
             if found is not None:
                 return found
     return None
-

@@ -1,7 +1,8 @@
 """Static scan of saved checkpoints (``ampdoctor.scan``): walk each loaded file and measure its tensors.
 
 A directory of shards is read one file at a time (memory-mapped where the format allows) and each file's tensors
-are measured and let go before the next file is opened. Loading goes through :mod:`.safe_load`.
+are measured and let go before the next file is opened. Loading goes through :mod:`.safe_load`. Tensors stored
+in a float8 format are measured exactly (upcast to float32) and judged against their own format's limits.
 """
 
 from __future__ import annotations
@@ -9,23 +10,32 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .._version import __version__
-from ..errors import AmpDoctorError, CheckpointRefused
-from ..records import TensorStats
-from .safe_load import checkpoint_files, first_line, load_file, refusal
-from .scan_analysis import MOMENT_KEYS, analyse_scan
-from .scan_records import OptimizerInfo, ScalerInfo, ScannedFile, ScannedTensor, ScanReport
+from ..errors import AmpDoctorError, CheckpointError, CheckpointRefused, InvalidInput
+from ..progress import LARGE_TENSOR_NUMEL, NO_PROGRESS, Progress
+from ..records import FrozenMap, TensorStats
+from .safe_load import checkpoint_files, first_line, is_malicious, load_file, refusal
+from .scan_analysis import analyse_scan
+from .scan_records import (
+    MOMENT_KEYS,
+    OptimizerInfo,
+    Role,
+    ScalerInfo,
+    ScannedFile,
+    ScannedTensor,
+    ScanReport,
+    StorageFormat,
+)
 
 if TYPE_CHECKING:
     import torch
 
 _MAX_DEPTH = 32  # nesting guard for the walk through a loaded object
-
-ProgressFn = Callable[[int, int, str], None]  # (index, total, file name) before each file
+_WIDE_FLOATS = ("float16", "bfloat16", "float32", "float64")  # measured as they are; others (float8) upcast
 
 
 def is_optimizer_state(obj: Mapping[Any, Any]) -> bool:
@@ -47,21 +57,27 @@ def join_key(prefix: str, key: Any) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
 
 
+def dtype_text(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 @dataclass
 class _Pending:
     name: str
-    role: str
+    role: Role
     saved_on: str
     param: str
     slot16: int  # -1: not measured (sparse, quantized or other non-strided tensors); see ``unmeasured``
     slot_bf16: int
     unmeasured: Optional[TensorStats] = None
+    dtype: str = ""  # the stored dtype when it differs from the measured copy's (float8)
+    at_max_group: int = -1  # float8: the collector's value group counting values at the format's max
 
 
 class _FileScan:
     """Measures every floating tensor in one loaded object; nothing of the object is kept after :meth:`read`."""
 
-    def __init__(self, file: str, locations: Mapping[int, str]) -> None:
+    def __init__(self, file: str, locations: Mapping[int, str], progress: Progress) -> None:
         import torch
 
         from ..capture.stats import StatsCollector
@@ -69,15 +85,19 @@ class _FileScan:
         self._torch = torch
         self.file = file
         self.locations = locations
+        self.progress = progress
         self.fp16 = StatsCollector(torch.float16, detailed=True)
         self.bf16 = StatsCollector(torch.bfloat16, detailed=True)
         self.pending: list[_Pending] = []
         self.optimizers: list[OptimizerInfo] = []
         self.scalers: list[ScalerInfo] = []
+        self.formats: dict[str, StorageFormat] = {}
+        self.notes: list[str] = []
 
-    def visit(self, obj: Any, name: str = "", role: str = "weights", param: str = "", depth: int = 0) -> None:
+    def visit(self, obj: Any, name: str = "", role: Role = "weights", param: str = "", depth: int = 0) -> None:
         torch = self._torch
         if depth > _MAX_DEPTH:
+            self.notes.append(f"{self.file}: {name or '<root>'} is nested more than {_MAX_DEPTH} levels deep: not read")
             return
         if isinstance(obj, torch.Tensor):
             self._add(obj, name, role, param)
@@ -101,17 +121,45 @@ class _FileScan:
             if obj.dtype.kind == "f" and obj.dtype.itemsize in (2, 4, 8):
                 self._add(torch.from_numpy(obj), name, role, param)
 
-    def _add(self, tensor: torch.Tensor, name: str, role: str, param: str) -> None:
+    def _add(self, tensor: torch.Tensor, name: str, role: Role, param: str) -> None:
         torch = self._torch
+        stored = dtype_text(tensor.dtype)
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type != "cpu":
-            stats = TensorStats(dtype=str(tensor.dtype).replace("torch.", ""), shape=tuple(tensor.shape))
+            stats = TensorStats(dtype=stored, shape=tuple(tensor.shape))
             self.pending.append(_Pending(name, role, "", param, -1, -1, stats))
             return
         try:
             saved_on = self.locations.get(tensor.untyped_storage().data_ptr(), "")
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
             saved_on = ""
-        self.pending.append(_Pending(name, role, saved_on, param, self.fp16.add(tensor), self.bf16.add(tensor)))
+        if tensor.numel() >= LARGE_TENSOR_NUMEL:
+            self.progress.detail(f"{self.file}: {name} ({tensor.numel():,} values)")
+        if not tensor.is_floating_point() or stored in _WIDE_FLOATS:
+            self.pending.append(_Pending(name, role, saved_on, param, self.fp16.add(tensor), self.bf16.add(tensor)))
+            return
+        self._add_narrow(tensor, name, role, param, saved_on)
+
+    def _add_narrow(self, tensor: torch.Tensor, name: str, role: Role, param: str, saved_on: str) -> None:
+        """A float8 tensor: measured on an exact float32 copy, plus the count of values at its format's max."""
+        torch = self._torch
+        stored = dtype_text(tensor.dtype)
+        try:
+            wide = tensor.to(torch.float32)
+            fmt = self.formats.get(stored) or self._storage_format(tensor.dtype)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # packed formats (float4) torch cannot cast
+            self.notes.append(f"{self.file}: {name} ({stored}) not measured: {first_line(str(exc))}")
+            self.pending.append(_Pending(name, role, saved_on, param, -1, -1, TensorStats(stored, tuple(tensor.shape))))
+            return
+        self.formats[stored] = fmt
+        group = self.fp16.add_values([(wide.abs() == fmt.max).sum()])
+        pending = _Pending(name, role, saved_on, param, self.fp16.add(wide), self.bf16.add(wide), None, stored, group)
+        self.pending.append(pending)
+
+    def _storage_format(self, dtype: torch.dtype) -> StorageFormat:
+        torch = self._torch
+        info = torch.finfo(dtype)
+        has_inf = bool(torch.isinf(torch.tensor(float("inf")).to(dtype).to(torch.float32)))
+        return StorageFormat(dtype_text(dtype), float(info.max), float(info.tiny), has_inf)
 
     def _visit_optimizer(self, obj: Mapping[Any, Any], name: str, depth: int) -> None:
         groups = [g for g in obj["param_groups"] if isinstance(g, Mapping)]
@@ -127,26 +175,20 @@ class _FileScan:
             if isinstance(per_param, Mapping):
                 for key, value in per_param.items():
                     if isinstance(value, self._torch.Tensor) and key in MOMENT_KEYS:
-                        dtypes.add(str(value.dtype).replace("torch.", ""))
+                        dtypes.add(dtype_text(value.dtype))
                     self.visit(value, join_key(where, key), "optimizer", names.get(index, ""), depth + 2)
             else:
                 self.visit(per_param, where, "optimizer", names.get(index, ""), depth + 2)
         eps = [e for e in (number(g.get("eps")) for g in groups) if e is not None]
-        self.optimizers.append(
-            OptimizerInfo(
-                path=name,
-                file=self.file,
-                states=len(state),
-                param_groups=len(groups),
-                eps=eps,
-                state_dtypes=sorted(dtypes),
-                param_names=list(names.values()),
-            )
-        )
+        info = OptimizerInfo(name, self.file, len(state), len(groups), tuple(eps), tuple(sorted(dtypes)))
+        self.optimizers.append(replace(info, param_names=tuple(names.values())))
 
     def _record_scaler(self, obj: Mapping[Any, Any], name: str) -> None:
         scale = number(obj.get("scale"))
         if scale is None:
+            self.notes.append(
+                f"{self.file}: {name or '<root>'} looks like GradScaler state but its scale is not a number"
+            )
             return
         tracker = number(obj.get("_growth_tracker"))
         interval = number(obj.get("growth_interval"))
@@ -168,19 +210,22 @@ class _FileScan:
         out = []
         for p in self.pending:
             if p.unmeasured is not None:
-                out.append(ScannedTensor(p.name, self.file, p.role, p.unmeasured, param=p.param))
+                out.append(ScannedTensor(p.name, self.file, p.role, p.unmeasured, saved_on=p.saved_on, param=p.param))
                 continue
             bf16 = stats_bf16[p.slot_bf16]
+            stats = stats16[p.slot16] if not p.dtype else replace(stats16[p.slot16], dtype=p.dtype)
+            at_max = int(self.fp16.values[p.at_max_group][0]) if p.at_max_group >= 0 else None
             out.append(
                 ScannedTensor(
                     name=p.name,
                     file=self.file,
                     role=p.role,
-                    stats=stats16[p.slot16],
+                    stats=stats,
                     bf16_overflow_count=bf16.cast_overflow_count,
                     bf16_flush_count=bf16.cast_flush_count,
                     saved_on=p.saved_on,
                     param=p.param,
+                    at_max_count=at_max,
                 )
             )
         return out
@@ -194,22 +239,32 @@ def _count_locations(tensors: Iterable[ScannedTensor]) -> dict[str, int]:
     return dict(counts)
 
 
-def _scan_file(
-    path: Path, label: str, allow_globals: Sequence[str], unsafe_load: bool
-) -> tuple[ScannedFile, list[ScannedTensor], list[OptimizerInfo], list[ScalerInfo]]:
+@dataclass
+class _Found:
+    """What one file held."""
+
+    info: ScannedFile
+    tensors: list[ScannedTensor]
+    optimizers: list[OptimizerInfo]
+    scalers: list[ScalerInfo]
+    formats: dict[str, StorageFormat]
+    notes: list[str]
+
+
+def _scan_file(path: Path, label: str, allow_globals: Sequence[str], unsafe_load: bool, progress: Progress) -> _Found:
     """Load, measure and let go of one file: its tensors are unreachable when this returns."""
     loaded = load_file(path, allow_globals, unsafe_load)
-    scan = _FileScan(label, loaded.locations)
+    scan = _FileScan(label, loaded.locations, progress)
     try:
         scan.visit(loaded.obj)
+        tensors = scan.read()
     except AmpDoctorError:
         raise
-    except Exception as exc:  # e.g. a safetensors tensor that cannot be read: one line
+    except Exception as exc:  # a damaged tensor in a file that loaded (mmap, safetensors): one line naming it
         detail = f"{type(exc).__name__}: {first_line(str(exc))}"
-        raise AmpDoctorError(f"{path}: could not read its tensors: {detail}") from exc
+        raise CheckpointError(f"{path}: could not read its tensors (truncated or corrupt): {detail}") from exc
     fmt, mapped = loaded.format, loaded.memory_mapped
     del loaded
-    tensors = scan.read()
     empty = not tensors and not scan.scalers and not scan.optimizers
     info = ScannedFile(
         name=label,
@@ -217,10 +272,10 @@ def _scan_file(
         size_bytes=path.stat().st_size,
         tensors=len(tensors),
         memory_mapped=mapped,
-        saved_on=_count_locations(tensors),
+        saved_on=FrozenMap(_count_locations(tensors)),
         skipped="holds no tensors" if empty else "",
     )
-    return info, tensors, scan.optimizers, scan.scalers
+    return _Found(info, tensors, scan.optimizers, scan.scalers, scan.formats, scan.notes)
 
 
 def scan(
@@ -229,7 +284,7 @@ def scan(
     dtype: str = "float16",
     allow_globals: Sequence[str] = (),
     unsafe_load: bool = False,
-    progress: Optional[ProgressFn] = None,
+    progress: Optional[Progress] = None,
 ) -> ScanReport:
     """Scan a saved checkpoint for values that break mixed precision; no model code is needed.
 
@@ -237,64 +292,67 @@ def scan(
         path: a ``torch.save``d state dict or training checkpoint (model / optimizer / scaler, nested), a
             ``.safetensors`` file, or a directory of such files (shards; read one at a time).
         dtype: the autocast format the verdict is about: ``"float16"`` (default) or ``"bfloat16"``. Counts for
-            both are always reported.
+            both are always reported. Tensors stored in float8 are judged against their own format.
         allow_globals: names such as ``"argparse.Namespace"`` to allow in ``torch.load(weights_only=True)``; a
             refusal (:class:`CheckpointRefused`) lists the ones a file needs.
-        unsafe_load: last resort, ``weights_only=False``: runs any code the file holds (warns).
-        progress: called as ``progress(index, total, file_name)`` before each file.
+        unsafe_load: last resort, ``weights_only=False``: runs any code the file holds (warns). A file whose
+            pickle names a global that can run code (``os.system`` ...) is refused even so.
+        progress: an :class:`ampdoctor.progress.Progress` told about each file and each large tensor.
 
     The checkpoint is only read: nothing is written next to it. Raises :class:`AmpDoctorError` with one line
-    for a missing, empty, truncated, corrupt or refused input. In a directory, files that are refused are
-    skipped with a warning finding (naming their globals), and files without tensors with a note, as long as
-    another file holds tensors.
+    for a missing, empty, truncated, corrupt, refused or non-checkpoint input. A file in a directory that names
+    a global able to run code refuses the whole directory, naming that file. Other files of a directory that
+    are refused are skipped with a warning finding (naming their globals), and files without tensors with a
+    note, as long as another file holds tensors.
     """
+    if dtype not in ("float16", "bfloat16"):
+        raise InvalidInput(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    root = Path(path)
+    files = checkpoint_files(root)
+    shown = progress or NO_PROGRESS
     import torch
 
-    if dtype not in ("float16", "bfloat16"):
-        raise AmpDoctorError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     from ..capture.stats import format_limits
 
     limits = format_limits(getattr(torch, dtype))
-    root = Path(path)
-    files = checkpoint_files(root)
     scanned: list[ScannedFile] = []
-    tensors: list[ScannedTensor] = []
-    optimizers: list[OptimizerInfo] = []
-    scalers: list[ScalerInfo] = []
+    found: list[_Found] = []
     refusals: list[CheckpointRefused] = []
-    for index, file in enumerate(files):
-        label = file.name
-        if progress is not None:
-            progress(index, len(files), label)
+    shown.stage("reading", total=len(files))
+    for file in files:
+        shown.detail(file.name)
         try:
-            info, found, opts, scs = _scan_file(file, label, allow_globals, unsafe_load)
+            found.append(_scan_file(file, file.name, allow_globals, unsafe_load, shown))
+            scanned.append(found[-1].info)
         except CheckpointRefused as refused:
-            if not root.is_dir():
+            if not root.is_dir() or is_malicious(refused):
                 raise
             refusals.append(refused)
-            size = file.stat().st_size
-            scanned.append(ScannedFile(label, "torch", size, skipped="refused", refused=refused.blocking))
-            continue
-        scanned.append(info)
-        tensors += found
-        optimizers += opts
-        scalers += scs
+            size, blocking = file.stat().st_size, tuple(refused.blocking)  # only torch files are ever refused
+            scanned.append(ScannedFile(file.name, "torch", size, skipped="refused", refused=blocking))
+        shown.advance()
+    shown.close()
     if all(f.skipped for f in scanned):
         if refusals:
-            raise refusal(str(root), list(dict.fromkeys(n for r in refusals for n in r.blocking)))
+            where = f"{root} ({', '.join(Path(r.path).name for r in refusals)})"
+            raise refusal(where, [n for r in refusals for n in r.blocking])
         where = "no file in it holds" if root.is_dir() else "loaded, but holds no"
-        raise AmpDoctorError(f"{path}: {where} tensors: not a checkpoint")
-    findings = analyse_scan(tensors, optimizers, scalers, scanned, limits)
+        raise CheckpointError(f"{path}: {where} tensors: not a checkpoint")
+    tensors = [t for f in found for t in f.tensors]
+    optimizers = [o for f in found for o in f.optimizers]
+    scalers = [s for f in found for s in f.scalers]
+    formats = tuple({k: v for f in found for k, v in f.formats.items()}.values())
     return ScanReport(
         path=str(path),
         dtype=dtype,
         limits=limits,
-        files=scanned,
-        tensors=tensors,
-        optimizers=optimizers,
-        scalers=scalers,
-        findings=findings,
+        files=tuple(scanned),
+        tensors=tuple(tensors),
+        optimizers=tuple(optimizers),
+        scalers=tuple(scalers),
+        findings=analyse_scan(tensors, optimizers, scalers, scanned, limits, formats),
         torch_version=torch.__version__,
         ampdoctor_version=__version__,
+        storage_formats=formats,
+        notes=tuple(n for f in found for n in f.notes),
     )
-

@@ -1,30 +1,42 @@
-"""What every subcommand shares: output options and rendering, writing the output, loading options, progress.
+"""What every subcommand shares: output options, rendering and writing, loading options, progress, warnings
+turned into notes, and the guard around the user's own code (factories, imports) that exits or is interrupted.
 
-Exit codes: 0 healthy or warnings only, 1 a finding (overflow, nan, underflow), 2 usage or input error.
+Exit codes: 0 healthy or warnings only, 1 a finding (overflow, nan, underflow), 2 usage or input error, 130 Ctrl-C.
+Nothing here imports torch: arguments are checked before the heavy imports.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from ..errors import AmpDoctorError, InvalidInput
+from ..errors import InvalidInput, ModelRaised, Stage
+from ..fileio import PathLike, write_output
+from ..progress import Progress, progress_on_stderr
 
 if TYPE_CHECKING:
     from ..report import Report
 
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 FORMATS = ("text", "json", "markdown", "html")
 
 
 def add_output_options(parser: argparse.ArgumentParser, formats: Sequence[str] = FORMATS) -> None:
     parser.add_argument("--format", choices=list(formats), default="text", help="output format (default: text)")
-    parser.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
+    parser.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="write the report to FILE (atomically; never over an input) instead of stdout ('-' is stdout)",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (errors still print)")
 
 
 def render(report: Report, fmt: str) -> str:
@@ -41,17 +53,14 @@ def render(report: Report, fmt: str) -> str:
     return report.to_text()
 
 
-def emit(text: str, output: Optional[str]) -> None:
-    """Print, or write to a file atomically enough for a report (never next to a checkpoint unless asked)."""
-    if output is None:
-        sys.stdout.write(text if text.endswith("\n") else text + "\n")
-        return
-    try:
-        with open(output, "w", encoding="utf-8") as fh:
-            fh.write(text if text.endswith("\n") else text + "\n")
-    except OSError as exc:
-        raise AmpDoctorError(f"cannot write {output}: {exc.strerror}") from exc
+def emit(text: str, output: Optional[str], inputs: Sequence[PathLike] = ()) -> None:
+    """Print, or write the file atomically (never over one of ``inputs``)."""
+    write_output(text if text.endswith("\n") else text + "\n", output, inputs)
 
+
+def progress_for(args: argparse.Namespace) -> Progress:
+    """Progress on stderr when it is a terminal, unless ``--quiet``."""
+    return progress_on_stderr(quiet=args.quiet)
 
 
 def add_loading_options(parser: argparse.ArgumentParser) -> None:
@@ -62,18 +71,21 @@ def add_loading_options(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="allow this global (e.g. argparse.Namespace) that a refusal named; repeat or separate with commas. "
-        "Only for files you trust",
+        "Only for files you trust; globals that can run code are never allowed",
     )
     group.add_argument(
         "--unsafe-load",
         action="store_true",
-        help="last resort: torch.load(weights_only=False), which runs any code the file holds (warns)",
+        help="last resort: torch.load(weights_only=False), which runs any code the file holds (warns); files "
+        "that name os.system and the like are refused even so",
     )
 
 
-
 def allowed_globals(args: argparse.Namespace) -> list[str]:
-    return [name.strip() for item in args.allow_global for name in item.split(",") if name.strip()]
+    """The ``--allow-global`` names, each checked for syntax and refused when it can run code (no import)."""
+    from ..checkpoint.safe_load import check_global_name
+
+    return [check_global_name(n.strip()) for item in args.allow_global for n in item.split(",") if n.strip()]
 
 
 def warn_unsafe(args: argparse.Namespace) -> None:
@@ -85,43 +97,96 @@ def warn_unsafe(args: argparse.Namespace) -> None:
         )
 
 
+# -- library warnings become notes -------------------------------------------------------------------------------
+
+
+def warning_note(message: warnings.WarningMessage) -> str:
+    """A library warning as one line for a report's notes: who warned (the installed package, else the file's
+    module name), and the first sentence of what it said."""
+    path = message.filename.replace("\\", "/")
+    if "/site-packages/" in path:
+        source = path.split("/site-packages/")[-1].split("/")[0]
+    else:
+        source = path.rsplit("/", 1)[-1]
+    source = source.removesuffix(".py") or "python"
+    text = " ".join(str(message.message).split())
+    first = text.split(". ", 1)[0].rstrip(".")
+    return f"{source} warned ({message.category.__name__}): {first}"
+
+
 @contextmanager
-def quiet_unsafe_warning() -> Iterator[None]:
-    """The command has printed its own warning line; the library's UnsafeLoadWarning would repeat it."""
+def warnings_as_notes() -> Iterator[list[str]]:
+    """Collect the warnings raised inside (torch's pickle-protocol warning ...) as note lines, once each, instead
+    of letting them reach stderr: exactly those the warning filters would have printed (DeprecationWarnings from
+    libraries stay hidden by default). ampdoctor's own UnsafeLoadWarning is dropped: the command printed its
+    line."""
     from ..checkpoint.safe_load import UnsafeLoadWarning
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnsafeLoadWarning)
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is kept, as for stderr
+        try:
+            yield notes
+        finally:
+            for message in caught:
+                if not issubclass(message.category, UnsafeLoadWarning):
+                    notes.append(warning_note(message))
+            notes[:] = list(dict.fromkeys(notes))
+
+
+def with_notes(report: Report, notes: Sequence[str]) -> Report:
+    """The report with more run notes (the notes' own sequence type kept)."""
+    if not notes:
+        return report
+    run = report.run
+    more = type(run.notes)([*run.notes, *notes])  # type: ignore[call-arg]
+    return dataclasses.replace(report, run=dataclasses.replace(run, notes=more))
+
+
+# -- Ctrl-C and the user's code ----------------------------------------------------------------------------------
+
+_sigint = threading.Event()  # set when a real SIGINT (Ctrl-C) arrived while a command ran
+_tracking = threading.Event()  # set while our SIGINT handler is installed
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    _sigint.set()
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def interrupt_tracking() -> Iterator[None]:
+    """Tell a real Ctrl-C (exit 130) from user code that raises KeyboardInterrupt itself (an input error)."""
+    _sigint.clear()
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+        _tracking.set()
+    try:
         yield
+    finally:
+        if _tracking.is_set():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            _tracking.clear()
 
 
-def progress_printer() -> Optional[Callable[[int, int, str], None]]:
-    """Progress on stderr, only when stderr is a terminal."""
-    if not sys.stderr.isatty():
-        return None
-
-    def show(index: int, total: int, name: str) -> None:
-        end = "\n" if index + 1 == total else ""
-        sys.stderr.write(f"\r\033[Kampdoctor: reading {index + 1}/{total} {name}{end}")
-        sys.stderr.flush()
-
-    return show
-
-
-def guard_output(output: Optional[str], checkpoint: str) -> None:
-    """Refuse ``-o`` pointing at the checkpoint or into a checkpoint directory (the input is never modified)."""
-    if output is None:
-        return
-    target, source = Path(output).resolve(), Path(checkpoint).resolve()
-    if target == source or (source.is_dir() and source in target.parents):
-        raise InvalidInput(
-            f"-o {output}: that is the checkpoint (or inside its directory); ampdoctor never writes there, "
-            "choose another file"
-        )
+@contextmanager
+def user_code(what: str, stage: Optional[Stage] = None) -> Iterator[None]:
+    """Around the user's code (``what``: "the factory mypkg:build", "importing mypkg"): ``sys.exit`` and a
+    KeyboardInterrupt that no Ctrl-C caused become one-line errors, never exit 0 ("healthy") or 130."""
+    try:
+        yield
+    except SystemExit as exc:
+        message = f"{what} called sys.exit({exc.code!r}); ampdoctor needs it to return"
+        raise (ModelRaised(message, stage) if stage else InvalidInput(message)) from exc
+    except KeyboardInterrupt as exc:
+        if _sigint.is_set() or not _tracking.is_set():  # a real Ctrl-C, or no way to tell: exit 130
+            raise
+        message = f"{what} raised KeyboardInterrupt (no Ctrl-C was pressed)"
+        raise (ModelRaised(message, stage) if stage else InvalidInput(message)) from exc
 
 
-def one_line(exc: AmpDoctorError) -> AmpDoctorError:
-    """The same error with its message on one line (messages from the user's model may span several)."""
+def one_line(exc: BaseException) -> str:
+    """An error message on one printable line (messages from the user's model or a damaged file may span several
+    lines or hold control characters)."""
     text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
-    return exc if text == str(exc) else AmpDoctorError(text)
-
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text) or type(exc).__name__

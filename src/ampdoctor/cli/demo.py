@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import EXIT_OK, add_output_options, emit, render
+from ..fileio import check_output
+from .common import EXIT_OK, add_output_options, emit, progress_for, render, warnings_as_notes, with_notes
 
 
 def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,19 +21,22 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import torch
+    check_output(args.output)
+    with progress_for(args) as progress, warnings_as_notes() as warned:
+        progress.stage("starting (importing torch)")
+        import torch
 
-    from ..api import diagnose
-    from ..demo import demo_loss, make_demo
+        from ..api import diagnose
+        from ..demo import demo_loss, make_demo
 
-    model, tokens, targets = make_demo()
-    report = diagnose(
-        model,
-        tokens,
-        loss_fn=lambda logits, _: demo_loss(logits, targets),
-        dtype=getattr(torch, args.dtype),
-        device_type="cpu",
-    )
-    emit(render(report, args.format), args.output)
+        model, tokens, targets = make_demo()
+        progress.stage("diagnosing the demo model")
+        report = diagnose(
+            model,
+            tokens,
+            loss_fn=lambda logits, _: demo_loss(logits, targets),
+            dtype=getattr(torch, args.dtype),
+            device_type="cpu",
+        )
+    emit(render(with_notes(report, warned), args.format), args.output)
     return EXIT_OK
-

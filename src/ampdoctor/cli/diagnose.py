@@ -4,40 +4,41 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import json
 import math
-import os
-import re
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..errors import AmpDoctorError, ModelRaised
+from ..errors import InvalidInput, ModelRaised
+from ..fileio import check_output
 from .common import (
     FORMATS,
     add_loading_options,
     add_output_options,
     allowed_globals,
     emit,
-    guard_output,
-    one_line,
-    progress_printer,
-    quiet_unsafe_warning,
+    progress_for,
     render,
+    user_code,
     warn_unsafe,
+    warnings_as_notes,
+    with_notes,
+)
+from .inputs import (
+    INPUT_DTYPES,
+    DiagnoseInputs,
+    build_model,
+    check_arguments,
+    import_factory,
+    load_batch,
+    random_batch,
+    to_device,
 )
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
+    from ..progress import Progress
     from ..report import Report
-
-# Random inputs from --input-shape are drawn with this seed, so two runs diagnose the same batch.
-INPUT_SEED = 0
-_SHAPE = re.compile(r"^\d+(x\d+)*$")
 
 
 def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -84,7 +85,7 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
         default="float32",
         metavar="DTYPE",
         help="dtype of the --input-shape tensor (default: float32; integer dtypes draw token ids below the "
-        "model's smallest nn.Embedding size)",
+        f"model's smallest nn.Embedding size): {', '.join(INPUT_DTYPES)}",
     )
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="autocast dtype")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default: cpu)")
@@ -100,138 +101,11 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
     parser.set_defaults(func=run_diagnose)
 
 
-def import_factory(spec: str, option: str = "--model") -> Callable[..., Any]:
-    """``pkg.module:attr.attr`` -> the callable. The current directory is importable, as with ``python -m``."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise AmpDoctorError(f"{option} {spec!r}: write it as MODULE:NAME, e.g. mypkg.models:build")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or whatever the user's module raises on import
-        raise AmpDoctorError(
-            f"{option} {spec}: cannot import {module_name} ({type(exc).__name__}: {exc}); check the module path "
-            "and that its package is installed or in the current directory"
-        ) from exc
-    try:
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except AttributeError:
-        raise AmpDoctorError(f"{option} {spec}: {module_name} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise AmpDoctorError(f"{option} {spec}: {attr} is a {type(obj).__name__}, not a callable that builds a model")
-    return obj  # type: ignore[no-any-return]
-
-
-def build_model(spec: str, kwargs_json: str) -> nn.Module:
-    from torch import nn
-
-    try:
-        kwargs = json.loads(kwargs_json)
-    except json.JSONDecodeError as exc:
-        raise AmpDoctorError(f"--model-kwargs {kwargs_json!r} is not JSON: {exc.msg}") from exc
-    if not isinstance(kwargs, dict):
-        raise AmpDoctorError(f"--model-kwargs must be a JSON object such as '{{\"depth\": 12}}', got {kwargs_json!r}")
-    factory = import_factory(spec)
-    try:
-        model = factory(**kwargs)
-    except Exception as exc:  # the user's factory
-        raise AmpDoctorError(f"--model {spec}: calling it raised {type(exc).__name__}: {exc}") from exc
-    if not isinstance(model, nn.Module):
-        raise AmpDoctorError(f"--model {spec} returned a {type(model).__name__}, not a torch.nn.Module")
-    return model
-
-
-def _dtype(name: str) -> torch.dtype:
-    import torch
-
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype) or value.is_complex or value.itemsize < 1 or "qint" in str(value):
-        raise AmpDoctorError(f"--input-dtype {name!r} is not a real floating, integer or bool dtype (e.g. int64)")
-    return value
-
-
-def random_batch(shape_text: str, dtype_name: str, model: nn.Module) -> torch.Tensor:
-    """A seeded random tensor; integer dtypes draw ids below the model's smallest embedding table."""
-    import torch
-    from torch import nn
-
-    text = shape_text.strip().lower()
-    if not _SHAPE.match(text) or any(int(d) == 0 for d in text.split("x")):
-        raise AmpDoctorError(f"--input-shape {shape_text!r}: write positive sizes joined by x, e.g. 8x3x224x224")
-    shape = tuple(int(d) for d in text.split("x"))
-    dtype = _dtype(dtype_name)
-    generator = torch.Generator().manual_seed(INPUT_SEED)
-    try:
-        if dtype.is_floating_point:
-            return torch.randn(shape, generator=generator).to(dtype)
-        if dtype == torch.bool:
-            return torch.randint(0, 2, shape, generator=generator).bool()
-        sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-        if not sizes:
-            raise AmpDoctorError(
-                f"--input-dtype {dtype_name}: no nn.Embedding in the model to take the range of ids from; "
-                "save a real batch with torch.save and pass --batch FILE"
-            )
-        if min(sizes) - 1 > torch.iinfo(dtype).max:
-            raise AmpDoctorError(f"--input-dtype {dtype_name} cannot hold token ids up to {min(sizes) - 1}; use int64")
-        return torch.randint(0, min(sizes), shape, generator=generator, dtype=dtype)
-    except (RuntimeError, MemoryError) as exc:  # e.g. a shape too large to allocate
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AmpDoctorError(f"--input-shape {shape_text}: cannot make that input ({first})") from exc
-
-
-def load_batch(path_text: str) -> Any:
-    """A batch from .pt (weights_only), .npy or .npz (no pickles)."""
-    import numpy as np
-    import torch
-
-    path = Path(path_text)
-    if not path.is_file():
-        raise AmpDoctorError(f"--batch {path_text}: no such file")
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".npy":
-            return torch.from_numpy(np.load(path, allow_pickle=False))
-        if suffix == ".npz":
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {k: torch.from_numpy(data[k]) for k in data.files}
-            if arrays and all(re.fullmatch(r"arr_\d+", k) for k in arrays):
-                ordered = [arrays[k] for k in sorted(arrays, key=lambda k: int(k[4:]))]
-                return ordered[0] if len(ordered) == 1 else tuple(ordered)
-            return arrays
-        batch = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # numpy/torch raise many types for a bad file: one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AmpDoctorError(
-            f"--batch {path_text}: not a readable batch ({type(exc).__name__}: {first}); save a tensor, tuple or "
-            "dict with torch.save (.pt), or an array with numpy.save (.npy) / numpy.savez (.npz)"
-        ) from exc
-    if isinstance(batch, list):
-        batch = tuple(batch)
-    if not isinstance(batch, (torch.Tensor, tuple, Mapping)):
-        raise AmpDoctorError(f"--batch {path_text}: holds a {type(batch).__name__}; expected a tensor, tuple or dict")
-    return batch
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple):
-        return tuple(_to_device(b, device) for b in batch)
-    if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
 def _device(name: str) -> torch.device:
     import torch
 
     if name == "cuda" and not torch.cuda.is_available():
-        raise AmpDoctorError("--device cuda: no CUDA device is available here (use --device cpu)")
+        raise InvalidInput("--device cuda: no CUDA device is available here (use --device cpu)")
     return torch.device(name)
 
 
@@ -239,9 +113,7 @@ def _checkpoint_scale(
     args: argparse.Namespace, scaler_scale: Optional[float], scaler_path: str
 ) -> tuple[Optional[float], str, list[str]]:
     """The loss scale to diagnose at, where it came from, and notes."""
-    if args.scale is not None:
-        if not (math.isfinite(args.scale) and args.scale > 0):
-            raise AmpDoctorError(f"--scale must be a positive number, got {args.scale:g}")
+    if args.scale is not None:  # checked by check_arguments
         return args.scale, "--scale", []
     if scaler_scale is None:
         return None, "", []
@@ -279,47 +151,55 @@ def _cuda_fp32_warning(report: Report) -> list[str]:
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
-    try:
-        return _run_diagnose(args)
-    except AmpDoctorError as exc:
-        raise one_line(exc) from exc
+    """Check the arguments (no torch yet), then build, load, diagnose and write the report."""
+    plan = check_arguments(args)
+    inputs = [p for p in (args.checkpoint, args.batch) if p]
+    check_output(args.output, inputs)
+    globals_ = allowed_globals(args)
+    warn_unsafe(args)
+    with progress_for(args) as progress, warnings_as_notes() as warned:
+        progress.stage("starting (importing torch)")
+        report = _run_diagnose(args, plan, globals_, progress)
+    emit(render(with_notes(report, warned), args.format), args.output, inputs)
+    return report.exit_code
 
 
-def _run_diagnose(args: argparse.Namespace) -> int:
+def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list[str], progress: Progress) -> Report:
     import torch
 
     from ..api import diagnose
     from ..checkpoint.load_weights import load_weights
 
-    guard_output(args.output, args.checkpoint)
     device = _device(args.device)
+    progress.stage("importing the model code")
     loss_fn = import_factory(args.loss, "--loss") if args.loss else None
-    if _is_bundle(args.checkpoint):
-        return _replay(args, loss_fn, device)
-    if not args.batch and not args.input_shape:
-        raise AmpDoctorError("give the model's input: --batch FILE or --input-shape SHAPE (a bundle holds its own)")
-    model = build_model(args.model, args.model_kwargs)
-    warn_unsafe(args)
-    with quiet_unsafe_warning():
-        loaded = load_weights(
-            model,
-            args.checkpoint,
-            allow_globals=allowed_globals(args),
-            unsafe_load=args.unsafe_load,
-            progress=progress_printer(),
-        )
-    batch = load_batch(args.batch) if args.batch else random_batch(args.input_shape, args.input_dtype, model)
+    if plan.bundle and _is_bundle(args.checkpoint):
+        return _replay(args, plan, loss_fn, device, progress)
+    if plan.bundle:  # the marker was there, but it does not load as a bundle
+        raise InvalidInput("give the model's input: --batch FILE or --input-shape SHAPE (a bundle holds its own)")
+    progress.stage("building the model")
+    model = build_model(args.model, plan.model_kwargs)
+    loaded = load_weights(
+        model, args.checkpoint, allow_globals=globals_, unsafe_load=args.unsafe_load, progress=progress
+    )
+    progress.stage("making the batch")
+    if plan.shape is not None:
+        batch = random_batch(plan.shape, args.input_shape, args.input_dtype, model)
+    else:
+        batch = load_batch(args.batch)
     scale, scale_source, notes = _checkpoint_scale(args, loaded.scaler_scale, loaded.scaler_path)
     model.to(device)
+    progress.stage("diagnosing (several instrumented passes)")
     try:
-        report = diagnose(
-            model,
-            _to_device(batch, device),
-            dtype=getattr(torch, args.dtype),
-            device_type=device.type,
-            scale=scale,
-            loss_fn=loss_fn,
-        )
+        with user_code("the model or its loss, during the diagnosis"):
+            report = diagnose(
+                model,
+                to_device(batch, device),
+                dtype=getattr(torch, args.dtype),
+                device_type=device.type,
+                scale=scale,
+                loss_fn=loss_fn,
+            )
     except ModelRaised as exc:
         if exc.stage != "forward":
             raise
@@ -332,23 +212,25 @@ def _run_diagnose(args: argparse.Namespace) -> int:
         notes=(*run.notes, *notes, *_saved_from_cuda(loaded.saved_on, device.type)),
     )
     findings = dataclasses.replace(report.findings, warnings=(*report.findings.warnings, *_cuda_fp32_warning(report)))
-    report = dataclasses.replace(report, run=run, findings=findings)
-    emit(render(report, args.format), args.output)
-    return report.exit_code
+    return dataclasses.replace(report, run=run, findings=findings)
 
 
 def _is_bundle(path_text: str) -> bool:
     from ..training.bundle import is_bundle
 
-    return os.path.isfile(path_text) and is_bundle(path_text)
+    return is_bundle(path_text)
 
 
-def _replay(args: argparse.Namespace, loss_fn: Optional[Callable[..., Any]], device: torch.device) -> int:
+def _replay(
+    args: argparse.Namespace,
+    plan: DiagnoseInputs,
+    loss_fn: Optional[Callable[..., Any]],
+    device: torch.device,
+    progress: Progress,
+) -> Report:
     """A failure bundle from ``ampdoctor.watch``: its saved batch, state and RNG on a fresh model."""
     from ..training.replay import replay_bundle
 
-    if args.batch or args.input_shape:
-        raise AmpDoctorError(f"{args.checkpoint} is a failure bundle with its own batch: drop --batch/--input-shape")
     ignored = [
         flag
         for flag, given in (
@@ -361,10 +243,12 @@ def _replay(args: argparse.Namespace, loss_fn: Optional[Callable[..., Any]], dev
         if given
     ]
     if ignored:
-        raise AmpDoctorError(
+        raise InvalidInput(
             f"{args.checkpoint} is a failure bundle: it replays the step's own scale and dtype and loads safely; "
             f"drop {', '.join(ignored)}"
         )
-    report = replay_bundle(args.checkpoint, lambda: build_model(args.model, args.model_kwargs), loss_fn, device=device)
-    emit(render(report, args.format), args.output)
-    return report.exit_code
+    progress.stage("replaying the failure bundle")
+    with user_code("the model or its loss, during the replay"):
+        return replay_bundle(
+            args.checkpoint, lambda: build_model(args.model, plan.model_kwargs), loss_fn, device=device
+        )

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 from typing import TYPE_CHECKING
 
-from ..errors import AmpDoctorError
+from ..errors import InvalidInput
+from ..fileio import check_output
 from .common import (
     add_loading_options,
     add_output_options,
     allowed_globals,
     emit,
-    guard_output,
-    one_line,
-    progress_printer,
-    quiet_unsafe_warning,
+    progress_for,
     warn_unsafe,
+    warnings_as_notes,
 )
 
 if TYPE_CHECKING:
@@ -30,10 +31,12 @@ def add_scan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
         help="check a saved checkpoint's tensors, optimizer and GradScaler state (no model code needed)",
         description="Read a checkpoint and report, per tensor and per module, inf/NaN, values beyond the float16 "
         "range, nonzero values that flush to zero in float16 and bfloat16, and headroom; Adam moments that are "
-        "non-finite or underflow, eps that is zero in float16, and a GradScaler scale that collapsed. PATH is a "
-        "torch.save'd state dict or training checkpoint, a .safetensors file, or a directory of shards (read "
-        "one file at a time). The checkpoint is only read.",
-        epilog="Exit status: 0 healthy (or warnings only), 1 findings, 2 usage or input error.",
+        "non-finite, eps that is zero in float16 with float16 optimizer state, and a GradScaler scale that "
+        "collapsed. float8 tensors are judged against their own format. PATH is a torch.save'd state dict or "
+        "training checkpoint, a .safetensors file, or a directory of shards (read one file at a time). The "
+        "checkpoint is only read.",
+        epilog="Exit status: 0 healthy (or warnings only), 1 findings, 2 usage or input error (a refused, corrupt "
+        "or non-checkpoint file included).",
     )
     parser.add_argument("path", metavar="PATH", help="checkpoint file or directory of shards")
     parser.add_argument(
@@ -44,7 +47,7 @@ def add_scan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     )
     parser.add_argument("--max-rows", type=int, default=20, metavar="N", help="rows per table (default: 20)")
     add_loading_options(parser)
-    add_output_options(parser)
+    add_output_options(parser, SCAN_FORMATS)
     parser.set_defaults(func=run_scan)
 
 
@@ -57,27 +60,22 @@ def render_scan(report: ScanReport, fmt: str, max_rows: int = 20) -> str:
 
 
 def run_scan(args: argparse.Namespace) -> int:
-    try:
-        return _run_scan(args)
-    except AmpDoctorError as exc:
-        raise one_line(exc) from exc
-
-
-def _run_scan(args: argparse.Namespace) -> int:
-    from ..checkpoint.scan import scan
-
+    """Check the arguments (no torch yet), scan, and write the report."""
     if args.max_rows < 1:
-        raise AmpDoctorError(f"--max-rows must be at least 1, got {args.max_rows}")
-    guard_output(args.output, args.path)
+        raise InvalidInput(f"--max-rows must be at least 1, got {args.max_rows}")
+    if not os.path.exists(args.path):
+        raise InvalidInput(f"{args.path}: no such file or directory")
+    check_output(args.output, [args.path])
+    globals_ = allowed_globals(args)
     warn_unsafe(args)
-    with quiet_unsafe_warning():
-        report = scan(
-            args.path,
-            dtype=args.dtype,
-            allow_globals=allowed_globals(args),
-            unsafe_load=args.unsafe_load,
-            progress=progress_printer(),
-        )
-    emit(render_scan(report, args.format, args.max_rows), args.output)
-    return report.exit_code
+    with progress_for(args) as progress, warnings_as_notes() as warned:
+        progress.stage("starting (importing torch)")
+        from ..checkpoint.scan import scan
 
+        report = scan(
+            args.path, dtype=args.dtype, allow_globals=globals_, unsafe_load=args.unsafe_load, progress=progress
+        )
+    if warned:
+        report = dataclasses.replace(report, notes=(*report.notes, *warned))
+    emit(render_scan(report, args.format, args.max_rows), args.output, [args.path])
+    return report.exit_code

@@ -1,0 +1,207 @@
+"""What a file is, from its first bytes, and which globals its pickle names: without torch, without running it.
+
+``sniff`` tells a PyTorch checkpoint (zip or legacy pickle) and a safetensors file from everything else, and says
+what anything else looks like ("a text file", "a PNG image", "a zip archive without data.pkl"), so that a wrong
+file gets a clear answer instead of an unpickler's ``KeyError: 101``. ``pickle_globals`` disassembles a pickle
+(``pickletools``: nothing in it runs) to list the globals it would import.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickletools
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, cast
+
+FileKind = Literal["torch-zip", "torch-legacy", "safetensors", "broken-zip", "other"]
+
+# The first pickle of a legacy (pre-1.6, or _use_new_zipfile_serialization=False) torch.save file holds this.
+TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+# Most bytes of a pickle read to list its globals (a model's pickle is small; its storages are not in it).
+_PICKLE_READ_LIMIT = 64 * 2**20
+_HEAD = 4096
+# Opening bytes of common files that are not checkpoints.
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+    (b"GIF8", "a GIF image"),
+    (b"%PDF", "a PDF document"),
+    (b"\x1f\x8b", "a gzip-compressed file (decompress it first)"),
+    (b"BZh", "a bzip2-compressed file (decompress it first)"),
+    (b"\xfd7zXZ\x00", "an xz-compressed file (decompress it first)"),
+    (b"(\xb5/\xfd", "a zstd-compressed file (decompress it first)"),
+    (b"\x93NUMPY", "a NumPy array file (.npy; diagnose takes it as --batch)"),
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras / h5py weights)"),
+    (b"GGUF", "a GGUF model file (llama.cpp)"),
+    (b"\x7fELF", "an executable program (ELF)"),
+)
+# Opcodes that push a string (a STACK_GLOBAL takes its module and name from the last two).
+_STRING_OPS = frozenset(
+    {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
+)
+
+
+@dataclass(frozen=True)
+class Sniffed:
+    """What a file looks like. ``description`` says it in words for ``kind == "other"``."""
+
+    kind: FileKind
+    description: str = ""
+    pickle_name: str = ""  # the zip member holding the pickle ("archive/data.pkl")
+
+
+def _read_head(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(_HEAD)
+
+
+def looks_like_safetensors(head: bytes, size: int) -> bool:
+    """An 8-byte little-endian header length, then a JSON object that fits in the file."""
+    return len(head) >= 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < size
+
+
+def _first_pickle_value(head: bytes) -> Optional[int]:
+    """The integer a pickle at the start of ``head`` holds, if it holds only one (the legacy magic number)."""
+    values = []
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(head)):
+            if op.name in ("PROTO", "FRAME", "STOP"):
+                continue
+            values.append(arg)
+    except (ValueError, EOFError, UnicodeDecodeError, struct.error, OverflowError):
+        return None
+    return values[0] if len(values) == 1 and isinstance(values[0], int) else None
+
+
+def _zip_kind(path: Path) -> Sniffed:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, NotImplementedError):
+        return Sniffed("broken-zip", "a damaged zip archive")
+    pickles = [n for n in names if n == "data.pkl" or n.endswith("/data.pkl")]
+    if any(n.endswith("constants.pkl") for n in names) and any("/code/" in n for n in names):
+        return Sniffed("other", "a TorchScript archive (torch.jit.save); scan a state_dict saved with torch.save")
+    if pickles:
+        return Sniffed("torch-zip", pickle_name=pickles[0])
+    if names and all(n.endswith(".npy") for n in names):
+        return Sniffed("other", "a NumPy .npz archive (diagnose takes it as --batch)")
+    return Sniffed("other", "a zip archive without data.pkl")
+
+
+def _describe_other(head: bytes) -> str:
+    for magic, what in _MAGIC:
+        if head.startswith(magic):
+            return what
+    if len(head) > 262 and head[257:262] == b"ustar":
+        return "a tar archive (extract it first)"
+    if len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "a Python pickle without torch.save's header (not written by torch.save, or damaged)"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not merely a character cut at the end of the head
+            return "binary data of an unknown kind"
+        text = head[: exc.start].decode("utf-8")
+    if "\x00" in text or sum(c.isprintable() or c in "\n\r\t" for c in text) < 0.95 * max(len(text), 1):
+        return "binary data of an unknown kind"
+    stripped = text.lstrip()
+    if stripped[:1] in ("{", "["):
+        try:
+            json.loads(text)
+            return "a JSON document"
+        except ValueError:
+            return "a JSON document" if len(head) == _HEAD else "a text file"
+    return "a text file" if stripped else "an empty text file"
+
+
+def sniff(path: Path) -> Sniffed:
+    """What ``path`` looks like: a PyTorch checkpoint (zip or legacy), a safetensors file, or something else."""
+    head = _read_head(path)
+    size = path.stat().st_size
+    if not head:
+        return Sniffed("other", "an empty file (0 bytes; the copy failed?)")
+    if looks_like_safetensors(head, size):
+        return Sniffed("safetensors")
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return _zip_kind(path)
+    if _first_pickle_value(head) == TORCH_LEGACY_MAGIC:
+        return Sniffed("torch-legacy")
+    return Sniffed("other", _describe_other(head))
+
+
+def _open_pickle(path: Path, sniffed: Sniffed) -> io.BytesIO:
+    """The bytes of the file's object pickle (the legacy format's fourth pickle; a zip's data.pkl)."""
+    if sniffed.kind == "torch-zip":
+        with zipfile.ZipFile(path) as zf, zf.open(sniffed.pickle_name) as member:
+            return io.BytesIO(member.read(_PICKLE_READ_LIMIT))
+    with open(path, "rb") as fh:
+        data = io.BytesIO(fh.read(_PICKLE_READ_LIMIT))
+    for _ in range(3):  # magic number, protocol version, system info
+        for _op in pickletools.genops(data):
+            pass
+    return data
+
+
+def pickle_globals(path: Path, sniffed: Sniffed) -> tuple[list[str], str]:
+    """The globals (``module.name``) the file's object pickle imports, and why the list may be incomplete
+    ("" when it is complete). Disassembled with ``pickletools``: nothing runs."""
+    names: list[str] = []
+    recent: list[Optional[str]] = []  # what the last two pushes were (a string, or None for anything else)
+    memo: dict[int, Optional[str]] = {}
+    try:
+        data = _open_pickle(path, sniffed)
+        for op, raw, _ in pickletools.genops(data):
+            kind, arg = op.name, cast(Any, raw)
+            if kind in ("GLOBAL", "INST"):
+                module, _, name = str(arg).partition(" ")
+                names.append(f"{module}.{name}")
+                recent.append(None)
+            elif kind == "STACK_GLOBAL":
+                if len(recent) == 2 and recent[0] is not None and recent[1] is not None:
+                    names.append(f"{recent[0]}.{recent[1]}")  # else computed: the unpickler judges it
+                recent = [None]
+            elif kind in _STRING_OPS:
+                recent.append(arg if isinstance(arg, str) else bytes(arg).decode("latin-1"))
+            elif kind in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+                memo[len(memo) if kind == "MEMOIZE" else int(arg)] = recent[-1] if recent else None
+            elif kind in ("BINGET", "LONG_BINGET", "GET"):
+                recent.append(memo.get(int(arg)))
+            elif kind not in ("PROTO", "FRAME"):
+                recent.append(None)
+            recent = recent[-2:]
+    except (ValueError, EOFError, UnicodeDecodeError, struct.error, OverflowError, KeyError) as exc:
+        return list(dict.fromkeys(names)), f"its pickle is damaged ({type(exc).__name__}: {exc})"
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, NotImplementedError) as exc:
+        return list(dict.fromkeys(names)), f"its zip archive is damaged ({type(exc).__name__}: {exc})"
+    return list(dict.fromkeys(names)), ""
+
+
+def pickle_protocol(path: Path, sniffed: Sniffed) -> Optional[int]:
+    """The protocol of the file's object pickle (its PROTO opcode), when it has one and it can be read."""
+    try:
+        for op, arg, _ in pickletools.genops(_open_pickle(path, sniffed)):
+            return int(cast(int, arg)) if op.name == "PROTO" else None
+    except (ValueError, EOFError, UnicodeDecodeError, struct.error, OverflowError, zipfile.BadZipFile, OSError):
+        return None
+    return None
+
+
+def may_be_bundle(path: Path, marker: str) -> bool:
+    """False when ``path`` cannot be an ampdoctor failure bundle: a torch zip whose pickle holds ``marker``.
+
+    Torch-free and cheap (the pickle only), so the command line can check its arguments before importing torch.
+    """
+    if not path.is_file():
+        return False
+    try:
+        sniffed = sniff(path)
+        if sniffed.kind != "torch-zip":
+            return False
+        return marker.encode() in _open_pickle(path, sniffed).getvalue()
+    except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, NotImplementedError):
+        return False
