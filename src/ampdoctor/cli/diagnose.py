@@ -102,10 +102,12 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
 
 
 def _device(name: str) -> torch.device:
+    """Where the tensors go. ``--device cuda`` on a machine without CUDA keeps them on the CPU: the diagnosis
+    then follows CUDA's autocast policy, emulated (``diagnose(device_type="cuda")``)."""
     import torch
 
     if name == "cuda" and not torch.cuda.is_available():
-        raise InvalidInput("--device cuda: no CUDA device is available here (use --device cpu)")
+        return torch.device("cpu")
     return torch.device(name)
 
 
@@ -132,22 +134,6 @@ def _saved_from_cuda(saved_on: Mapping[str, int], device_type: str) -> list[str]
 
     cuda = sorted(d for d in saved_on if d.startswith("cuda"))
     return [saved_from_cuda_note(cuda, device_type)] if cuda and device_type != "cuda" else []
-
-
-def _cuda_fp32_warning(report: Report) -> list[str]:
-    """Mark an origin op that CUDA autocast runs in float32 when the diagnosis ran on the CPU."""
-    from ..capture.policy import cuda_runs_in_fp32
-
-    if report.run.device_type == "cuda":
-        return []
-    out = []
-    for origin in (report.findings.forward_origin, report.findings.backward_origin):
-        if origin is not None and origin.op is not None and cuda_runs_in_fp32(origin.op.op):
-            out.append(
-                f"the {origin.direction} origin op {origin.op.op} runs in float32 under CUDA autocast: this "
-                f"finding comes from CPU autocast and may not happen on CUDA (rerun with --device cuda)"
-            )
-    return out
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
@@ -196,7 +182,7 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
                 model,
                 to_device(batch, device),
                 dtype=getattr(torch, args.dtype),
-                device_type=device.type,
+                device_type=args.device,
                 scale=scale,
                 loss_fn=loss_fn,
             )
@@ -209,10 +195,9 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
     run = dataclasses.replace(
         run,
         scale_source=scale_source or run.scale_source,
-        notes=(*run.notes, *notes, *_saved_from_cuda(loaded.saved_on, device.type)),
+        notes=(*run.notes, *notes, *_saved_from_cuda(loaded.saved_on, run.device_type)),
     )
-    findings = dataclasses.replace(report.findings, warnings=(*report.findings.warnings, *_cuda_fp32_warning(report)))
-    return dataclasses.replace(report, run=run, findings=findings)
+    return dataclasses.replace(report, run=run)
 
 
 def _is_bundle(path_text: str) -> bool:
