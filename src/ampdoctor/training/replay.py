@@ -19,7 +19,7 @@ from ..records import StepRecord
 from ..report import Report
 from ..serial import from_plain
 from .bundle import PathLike, load_bundle
-from .replay_step import MIN_REPLAY_SCALE, LossFn, add_notes, as_batch, bind_loss, output_grad_loss, with_rng
+from .replay_step import MIN_REPLAY_SCALE, LossFn, add_notes, as_batch, bind_loss, output_grad_loss
 
 
 def replay_bundle(
@@ -41,7 +41,21 @@ def replay_bundle(
     ``backward=False`` skips it), or when ``backward=True`` (the loss then found as ``diagnose`` finds it).
     ``steps`` are the records in the bundle.
     """
-    data = load_bundle(path)
+    caller = RngState.capture()  # the factory draws (its init) and so does the replay: all put back after
+    try:
+        return _replay(load_bundle(path), path, model_factory, loss_fn, device, backward)
+    finally:
+        caller.restore()
+
+
+def _replay(
+    data: dict[str, Any],
+    path: PathLike,
+    model_factory: Callable[[], nn.Module],
+    loss_fn: Optional[LossFn],
+    device: Optional[Union[str, torch.device]],
+    backward: Optional[bool],
+) -> Report:
     model = model_factory()
     if not isinstance(model, nn.Module):
         raise AmpDoctorError(f"the model factory must return a torch.nn.Module, got {type(model).__name__}")
@@ -70,19 +84,16 @@ def replay_bundle(
         notes.append("no loss_fn: the backward replays the gradient the real loss sent into the model's output")
     rng = RngState.from_plain(data.get("rng"))
     if rng is None:
-        rng = RngState.capture()
         notes.append("the bundle holds no random state: dropout and other random ops drew new values")
-    elif rng.cuda is not None and torch.cuda.is_available() and len(rng.cuda) > torch.cuda.device_count():
-        # saved on a machine with more GPUs: the streams of the devices this one has
-        rng = dataclasses.replace(rng, cuda=rng.cuda[: torch.cuda.device_count()])
-
-    def run() -> Report:
-        return diagnose(
-            root, batch, loss_fn=replay_loss, dtype=low_dtype(str(data.get("dtype"))), device_type=target.type,
-            scale=max(scale, MIN_REPLAY_SCALE), backward=backward if backward is not None else loss_fn is not None,
-        )
-
-    report = with_rng(rng, run)
+    else:
+        if rng.cuda is not None and torch.cuda.is_available() and len(rng.cuda) > torch.cuda.device_count():
+            # saved on a machine with more GPUs: the streams of the devices this one has
+            rng = dataclasses.replace(rng, cuda=rng.cuda[: torch.cuda.device_count()])
+        rng.restore()  # the failing forward's streams: dropout draws its masks (diagnose rewinds to them per pass)
+    report = diagnose(
+        root, batch, loss_fn=replay_loss, dtype=low_dtype(str(data.get("dtype"))), device_type=target.type,
+        scale=max(scale, MIN_REPLAY_SCALE), backward=backward if backward is not None else loss_fn is not None,
+    )
     records = json.loads(data.get("records") or "{}")
     steps = [from_plain(StepRecord, s) for s in records.get("steps", [])]
     where = f"step {data.get('step')}" + (f", rank {data.get('rank')}" if int(data.get("world_size", 1)) > 1 else "")
