@@ -122,8 +122,11 @@ def test_the_capture_draws_the_failing_forwards_dropout_mask(dropout_run: tuple[
 def test_the_bundle_replays_the_failing_forwards_dropout_mask(dropout_run: tuple[Watch, int]) -> None:
     doctor, _ = dropout_run
     assert doctor.bundle_path is not None and doctor.bundle_path.name == f"ampdoctor-bundle-step{FAILING_STEP}.pt"
-    caller_seed = torch_seed_for([False])
-    torch.manual_seed(caller_seed)  # the caller's own stream would drop input 0 on its next draw
+    # A caller's stream that, once the factory has drawn its init, would drop input 0: what a replay without
+    # the bundle's RNG state would draw.
+    caller_seed = next(s for s in range(10_000) if drops_after_factory(s))
+    assert drops_after_factory(caller_seed)
+    torch.manual_seed(caller_seed)
     random.seed(1)
     np.random.seed(1)
     before = rng_streams()
@@ -132,7 +135,12 @@ def test_the_bundle_replays_the_failing_forwards_dropout_mask(dropout_run: tuple
     assert replayed.forward_origin is not None and replayed.forward_origin.module == "boom"
     assert replayed.trace.backward_ran
     assert_same_streams(before, rng_streams())  # every stream of the caller is put back
-    assert keeps_input_0(1) == [False]  # ... so the caller's next draw is the one it would have been
+
+
+def drops_after_factory(seed: int) -> bool:
+    torch.manual_seed(seed)
+    dropout_model()  # nn.Linear's init draws from the stream
+    return keeps_input_0(1) == [False]
 
 
 # -- Python's and numpy's streams ---------------------------------------------------------------------------
