@@ -62,21 +62,24 @@ def test_two_ranks_without_a_capture() -> None:
     assert ampdoctor.Report.from_json(report.to_json()) == report
 
 
-def overflow_report() -> ampdoctor.Report:
-    """boom: 16 * 5000 * 1 = 80000 -> +inf in float16."""
+def boom_report(x: float) -> ampdoctor.Report:
+    """A capture's report: boom's output is 16 * 5000 * x: 80000 (+inf in float16) for x = 1, 40000 for 0.5."""
     model = nn.Sequential()
     boom = nn.Linear(16, 4, bias=False)
     with torch.no_grad():
         boom.weight.fill_(5000.0)
     model.add_module("boom", boom)
-    return ampdoctor.diagnose(model, torch.ones(1, 16), backward=False, verify=False)
+    return ampdoctor.diagnose(model, torch.full((1, 16), x), backward=False, verify=False)
 
 
 def test_the_capture_of_the_rank_that_went_non_finite_first_is_the_report() -> None:
-    captured = Capture(step=2, report=overflow_report(), micro=0, local_nonfinite=True)
+    captured = Capture(step=2, report=boom_report(1.0), micro=0, local_nonfinite=True)
     bad = payload(1, True, failure=captured, first_capture=captured, bundle="/b/ampdoctor-bundle-step2-rank1.pt",
                   notes=("only rank 1 says this", "both say this"))
-    good = payload(0, False, notes=("both say this",))
+    # rank 0 skipped the same steps (reduced gradients) and captured its own, healthy, batch
+    healthy = Capture(step=2, report=boom_report(0.5), micro=0, local_nonfinite=False)
+    assert healthy.report.verdict == "healthy"
+    good = payload(0, False, failure=healthy, first_capture=healthy, notes=("both say this",))
     # what all_gather_object does to a payload: pickle it
     assert pickle.loads(pickle.dumps(bad)) == bad
     report = compose_report([good, bad], me=0)

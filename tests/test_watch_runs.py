@@ -123,11 +123,12 @@ def test_merged_runs_keep_the_gravest_status_per_start() -> None:
 
 def test_annotate_gives_each_bad_step_the_gravest_verdict_of_any_rank() -> None:
     rank0, rank1 = steps("gssgs", rank=0), steps("gsfgs", rank=1)
-    runs = [*track(rank0), *track(rank1)]
-    annotated = annotate(sorted(rank0 + rank1, key=lambda s: (s.step, s.rank)), runs)
-    by_rank = {r: [s.run for s in annotated if s.rank == r] for r in (0, 1)}
-    assert by_rank[0] == [None, PERSISTENT, PERSISTENT, None, OPEN]  # rank 1 made steps 1-2 persistent
-    assert by_rank[1] == [None, PERSISTENT, PERSISTENT, None, OPEN]
+    records = sorted(rank0 + rank1, key=lambda s: (s.step, s.rank))
+    for runs in ([*track(rank0), *track(rank1)], [*track(rank1), *track(rank0)]):  # whatever order they come in
+        annotated = annotate(records, runs)
+        by_rank = {r: [s.run for s in annotated if s.rank == r] for r in (0, 1)}
+        assert by_rank[0] == [None, PERSISTENT, PERSISTENT, None, OPEN]  # rank 1 made steps 1-2 persistent
+        assert by_rank[1] == [None, PERSISTENT, PERSISTENT, None, OPEN]
 
 
 def test_the_loss_scale_finding_from_training_alone() -> None:
