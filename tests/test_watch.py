@@ -316,6 +316,37 @@ def test_a_capture_that_fails_never_breaks_the_training_loop(tmp_path: Path) -> 
     assert_no_watch_left(model, scaler)
 
 
+def test_a_bundle_that_cannot_be_written_is_a_note_not_an_error(tmp_path: Path) -> None:
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    model = overflow_model()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, scaler, loss_fn=small_loss, bundle_dir=not_a_folder) as doctor:
+        train(model, scaler, [torch.ones(2, 16), torch.full((2, 16), 0.5)], doctor)
+    report = doctor.report()
+    assert doctor.bundle_path is None and [s.skipped for s in report.steps] == [True, False]
+    assert report.forward_origin is not None and report.forward_origin.module == "boom"  # the capture still ran
+    assert any(n.startswith("the failure bundle could not be written (FileExistsError") for n in report.run.notes)
+
+
+def test_a_hook_that_fails_is_a_note_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ampdoctor.training.runtime as runtime
+
+    def broken(outputs: Any) -> None:
+        raise RuntimeError("broken loss read")
+
+    monkeypatch.setattr(runtime, "loss_value", broken)
+    model = square_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with ampdoctor.watch(model, scaler) as doctor:
+        square_steps(model, scaler, 2)
+    report = doctor.report()
+    assert [s.step for s in report.steps] == [0, 1] and all(s.loss is None for s in report.steps)
+    # each step's scaler.scale hit it; the report says it once
+    assert report.run.notes[-1] == "watch hook error: RuntimeError: broken loss read"
+    assert report.run.notes.count(report.run.notes[-1]) == 1
+
+
 def test_an_instance_attribute_on_the_scaler_is_put_back() -> None:
     model = square_model()
     scaler = torch.amp.GradScaler("cpu")
