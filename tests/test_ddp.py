@@ -82,6 +82,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend in this torch")
 def test_two_rank_gloo_run_names_the_rank_and_the_origin(tmp_path: Path) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -191,19 +191,28 @@ def square_loss(out: torch.Tensor, _: Any) -> torch.Tensor:
     return out.float().pow(2).sum()
 
 
-def test_occasional_harmless_scale_overflows(tmp_path: Path) -> None:
-    model = square_model()
-    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
-    x = torch.ones(1, 16)
-    with ampdoctor.watch(model, scaler, loss_fn=square_loss, stats_every=1, bundle_dir=tmp_path) as doctor:
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        for _ in range(11):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=FP16):
-                loss = square_loss(model(x), None)
+def square_steps(model: nn.Module, scaler: Optional[torch.amp.GradScaler], n: int, after_step: Any = None) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(n):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=FP16):
+            loss = square_loss(model(torch.ones(1, 16)), None)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+        if after_step is not None:
+            after_step()
+
+
+def test_occasional_harmless_scale_overflows(tmp_path: Path) -> None:
+    model = square_model()
+    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+    with ampdoctor.watch(model, scaler, loss_fn=square_loss, stats_every=1, bundle_dir=tmp_path) as doctor:
+        square_steps(model, scaler, 11)
     report = doctor.report()
     steps = report.steps
     # 65536 skip, 32768 skip, 16384 x3 good, 32768 skip, 16384 x3 good, 32768 skip, 16384
@@ -245,8 +254,11 @@ def test_backward_overflow_at_every_scale_is_persistent() -> None:
     assert [s.run for s in report.steps] == ["persistent"] * 3
     assert all(s.forward_finite for s in report.steps)
     assert report.steps[1].captured  # the step whose update took the scale below 1
-    assert report.backward_origin is not None and report.backward_origin.module == "1"
-    assert report.verdict in ("overflow", "nan")
+    origin = report.backward_origin
+    assert origin is not None and origin.module == "1" and origin.tensor == "grad:args[0]"
+    # sqrt's backward divides the incoming gradient by 2 * sqrt(0) = 0: +inf (not 0/0), so an overflow
+    assert origin.bad.posinf_count == 4 and origin.bad.nan_count == 0
+    assert report.verdict == "overflow"
     assert "the scale fell below 1" in str(report)
 
 
@@ -302,6 +314,37 @@ def test_a_capture_that_fails_never_breaks_the_training_loop(tmp_path: Path) -> 
     assert doctor.bundle_path is not None  # the failing batch is kept all the same, for a later replay
     assert replay_bundle(doctor.bundle_path, overflow_model).forward_origin.module == "boom"  # type: ignore[union-attr]
     assert_no_watch_left(model, scaler)
+
+
+def test_a_bundle_that_cannot_be_written_is_a_note_not_an_error(tmp_path: Path) -> None:
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    model = overflow_model()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, scaler, loss_fn=small_loss, bundle_dir=not_a_folder) as doctor:
+        train(model, scaler, [torch.ones(2, 16), torch.full((2, 16), 0.5)], doctor)
+    report = doctor.report()
+    assert doctor.bundle_path is None and [s.skipped for s in report.steps] == [True, False]
+    assert report.forward_origin is not None and report.forward_origin.module == "boom"  # the capture still ran
+    assert any(n.startswith("the failure bundle could not be written (FileExistsError") for n in report.run.notes)
+
+
+def test_a_hook_that_fails_is_a_note_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ampdoctor.training.runtime as runtime
+
+    def broken(outputs: Any) -> None:
+        raise RuntimeError("broken loss read")
+
+    monkeypatch.setattr(runtime, "loss_value", broken)
+    model = square_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with ampdoctor.watch(model, scaler) as doctor:
+        square_steps(model, scaler, 2)
+    report = doctor.report()
+    assert [s.step for s in report.steps] == [0, 1] and all(s.loss is None for s in report.steps)
+    # each step's scaler.scale hit it; the report says it once
+    assert report.run.notes[-1] == "watch hook error: RuntimeError: broken loss read"
+    assert report.run.notes.count(report.run.notes[-1]) == 1
 
 
 def test_an_instance_attribute_on_the_scaler_is_put_back() -> None:
@@ -393,16 +436,8 @@ def test_a_layer_losing_headroom_is_warned_about() -> None:
 def test_a_skip_on_an_unsampled_step_is_still_explained() -> None:
     model = square_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=1)
-    x = torch.ones(1, 16)
     with ampdoctor.watch(model, scaler, loss_fn=square_loss, stats_every=1000) as doctor:
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        for _ in range(3):  # 16384 good, 32768 skipped (unsampled), 16384 good
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=FP16):
-                loss = square_loss(model(x), None)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        square_steps(model, scaler, 3)  # 16384 good, 32768 skipped (unsampled), 16384 good
     steps = doctor.report().steps
     assert [s.skipped for s in steps] == [False, True, False]
     assert not steps[1].sampled and steps[1].captured
@@ -418,14 +453,7 @@ def test_without_loss_fn_the_gradient_reaching_the_output_is_replayed() -> None:
     model = square_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15)
     with ampdoctor.watch(model, scaler) as doctor:
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        for _ in range(2):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=FP16):
-                loss = square_loss(model(torch.ones(1, 16)), None)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        square_steps(model, scaler, 2)
     report = doctor.report()
     assert [s.skipped for s in report.steps] == [True, False]
     assert report.steps[0].backward_origin == "<loss>"
@@ -478,23 +506,6 @@ def test_watch_function_survives_importing_the_watch_modules() -> None:
 
 
 # -- framework adapters ------------------------------------------------------------------------------------
-
-
-def square_steps(model: nn.Module, scaler: Optional[torch.amp.GradScaler], n: int, after_step: Any = None) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    for _ in range(n):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=FP16):
-            loss = square_loss(model(torch.ones(1, 16)), None)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        if after_step is not None:
-            after_step()
 
 
 def test_lightning_callback(monkeypatch: pytest.MonkeyPatch) -> None:

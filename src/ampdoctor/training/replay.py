@@ -1,5 +1,117 @@
-"""Bundle replay (temporary: re-exported from runtime until the split)."""
+"""Replaying a failure bundle: the failing batch diagnosed again, later, on a fresh model."""
 
-from .runtime import replay_bundle
+from __future__ import annotations
 
-__all__ = ["replay_bundle"]
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from ..api import diagnose
+from ..capture.dtypes import low_dtype
+from ..capture.model import unwrap_model
+from ..capture.state import RngState
+from ..errors import AmpDoctorError
+from ..records import StepRecord
+from ..report import Report
+from ..serial import from_plain
+from .bundle import PathLike, load_bundle
+from .replay_step import MIN_REPLAY_SCALE, LossFn, add_notes, as_batch, bind_loss, output_grad_loss
+
+
+def replay_bundle(
+    path: PathLike,
+    model_factory: Callable[[], nn.Module],
+    loss_fn: Optional[LossFn] = None,
+    *,
+    device: Optional[Union[str, torch.device]] = None,
+    backward: Optional[bool] = None,
+) -> Report:
+    """Diagnose the failing batch saved in a failure bundle, on a fresh model from ``model_factory()``.
+
+    The model gets the bundle's state dict and training flag, every random stream (torch CPU and CUDA, Python,
+    numpy) is set as it was before the failing forward, so dropout draws the same masks, and
+    ``ampdoctor.diagnose`` runs at the scale the step used; the caller's random streams are put back afterwards.
+    With ``loss_fn`` the backward is replayed too: ``loss_fn(output, targets)`` when the watch was given targets
+    (``doctor.set_targets``), else ``loss_fn(output, batch)``. Without it, the backward is replayed only when the
+    bundle holds the gradient the real loss sent into the model's outputs (watched without ``loss_fn``;
+    ``backward=False`` skips it), or when ``backward=True`` (the loss then found as ``diagnose`` finds it).
+    ``steps`` are the records in the bundle.
+    """
+    caller = RngState.capture()  # the factory draws (its init) and so does the replay: all put back after
+    try:
+        return _replay(load_bundle(path), path, model_factory, loss_fn, device, backward)
+    finally:
+        caller.restore()
+
+
+def _replay(
+    data: dict[str, Any],
+    path: PathLike,
+    model_factory: Callable[[], nn.Module],
+    loss_fn: Optional[LossFn],
+    device: Optional[Union[str, torch.device]],
+    backward: Optional[bool],
+) -> Report:
+    model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise AmpDoctorError(f"the model factory must return a torch.nn.Module, got {type(model).__name__}")
+    root, _ = unwrap_model(model)
+    try:
+        root.load_state_dict(data["model_state"])
+    except RuntimeError as exc:
+        raise AmpDoctorError(
+            f"the bundle's state dict (from a {data.get('model_class')}) does not fit the factory's "
+            f"{type(root).__name__}: {exc}"
+        ) from exc
+    if device is None:
+        wanted = str(data.get("device_type", "cpu"))
+        device = wanted if wanted == "cpu" or (wanted == "cuda" and torch.cuda.is_available()) else "cpu"
+    target = torch.device(device)
+    root.to(target)
+    root.train(bool(data.get("training", True)))
+    batch = as_batch(root, _to_device(data.get("args") or (), target), _to_device(data.get("kwargs") or {}, target))
+    scale = float(data.get("scale") or 1.0)
+    notes: list[str] = []
+    replay_loss = bind_loss(loss_fn, _to_device(data.get("targets"), target))
+    grads = data.get("output_grads")
+    if loss_fn is None and backward is not False and isinstance(grads, dict) and grads:
+        replay_loss = output_grad_loss(_to_device(grads, target), scale, data.get("loss_value"))
+        backward = True
+        notes.append("no loss_fn: the backward replays the gradient the real loss sent into the model's output")
+    rng = RngState.from_plain(data.get("rng"))
+    if rng is None:
+        notes.append("the bundle holds no random state: dropout and other random ops drew new values")
+    else:
+        if rng.cuda is not None and torch.cuda.is_available() and len(rng.cuda) > torch.cuda.device_count():
+            # saved on a machine with more GPUs: the streams of the devices this one has
+            rng = dataclasses.replace(rng, cuda=rng.cuda[: torch.cuda.device_count()])
+        rng.restore()  # the failing forward's streams: dropout draws its masks (diagnose rewinds to them per pass)
+    report = diagnose(
+        root, batch, loss_fn=replay_loss, dtype=low_dtype(str(data.get("dtype"))), device_type=target.type,
+        scale=max(scale, MIN_REPLAY_SCALE), backward=backward if backward is not None else loss_fn is not None,
+    )
+    records = json.loads(data.get("records") or "{}")
+    steps = [from_plain(StepRecord, s) for s in records.get("steps", [])]
+    where = f"step {data.get('step')}" + (f", rank {data.get('rank')}" if int(data.get("world_size", 1)) > 1 else "")
+    notes.insert(0, f"replayed failure bundle {os.fspath(path)} ({where}, scale {scale:g})")
+    if data.get("inputs_changed"):
+        notes.append("the inputs were modified in place after the failing forward; the bundle holds their later values")
+    if loss_fn is None and not backward:
+        notes.append("forward only: pass loss_fn (CLI: --loss pkg.mod:fn) to replay the backward too")
+    return dataclasses.replace(add_notes(report, notes), steps=tuple(steps))
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_device(v, device) for v in obj)
+    return obj

@@ -1,0 +1,263 @@
+"""What the watch keeps of one training step, and the step's single read-back into a :class:`StepRecord`.
+
+During a step the hooks only queue 0-d device tensors (a loss, the aminmax pairs of outputs and gradients, the
+scale, GradScaler's found-inf flags) in a :class:`Collector`; ``scaler.update`` reads them all back at once
+(``update`` synchronises anyway) and :func:`step_record` turns the numbers into the step's record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+from ..capture.state import RngState
+from ..capture.walk import iter_tensors
+from ..records import FrozenMap, StepRecord
+
+# What a (lo, hi) pair of the collector measures: a root output, a module output, or an output's gradient.
+PairKind = Literal["root", "out", "grad"]
+
+
+@dataclass
+class MicroBatch:
+    """One root forward of the current step (several with gradient accumulation): what a replay needs."""
+
+    args: Any  # the forward's inputs, detached, by reference (no copy per step)
+    kwargs: Any
+    versions: list[int]  # the inputs' ``_version``: were they modified in place after the forward?
+    rng: RngState  # every random stream before the forward: the replay draws the same dropout masks
+    targets: Any = None
+    loss_slot: Optional[int] = None  # index into the step's collected values
+    loss_value: Optional[float] = None  # after the step's read-back
+    root_slots: list[int] = field(default_factory=list)  # (lo, hi) pairs of the root outputs: index of each lo
+    own_loss: bool = False  # the output carries its loss (scalar, .loss, ['loss']): diagnose finds it
+    weight_versions: int = 0  # sum of the parameters' in-place versions at the forward: did an optimizer step?
+    expected_grads: set[str] = field(default_factory=set)  # output paths whose gradient is kept
+    out_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # scaled gradient w.r.t. each output
+
+    @classmethod
+    def keep(cls, model: torch.nn.Module, args: Any, kwargs: Any, targets: Any) -> MicroBatch:
+        """What a root forward of ``model`` leaves for a replay, taken just before it runs: its inputs (detached,
+        by reference) and every random stream as it is now (the dropout masks the forward is about to draw)."""
+        kept_args, kept_kwargs = detach_tree(args), detach_tree(kwargs) if kwargs else {}
+        return cls(
+            kept_args, kept_kwargs, tensor_versions(kept_args, kept_kwargs), RngState.capture(), targets=targets,
+            weight_versions=weight_versions(model),
+        )
+
+    def inputs_changed(self) -> bool:
+        """The inputs were modified in place after the forward (a replay sees their later contents)."""
+        return tensor_versions(self.args, self.kwargs) != self.versions
+
+    def output_grads(self) -> Optional[dict[str, torch.Tensor]]:
+        """The gradient the real loss sent into each output, when every expected one arrived; else None."""
+        if not self.expected_grads or set(self.out_grads) != self.expected_grads:
+            return None
+        return self.out_grads
+
+
+class Collector:
+    """0-d device tensors of one step, with what each one is; read back in one transfer per device."""
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+        self.layout: list[tuple[int, PairKind, str, bool]] = []  # (index of lo, kind, module, low dtype)
+
+    def add(self, value: torch.Tensor) -> int:
+        self.values.append(value)
+        return len(self.values) - 1
+
+    def pair(self, kind: PairKind, module: str, t: torch.Tensor, low: bool) -> int:
+        index = len(self.values)
+        self.values += torch.aminmax(t)  # one pass; NaN and inf show up in the result
+        self.layout.append((index, kind, module, low))
+        return index
+
+    def read(self) -> list[float]:
+        """Every value as a Python float: one ``stack`` + ``tolist`` per device (all values are 0-d)."""
+        if not self.values:
+            return []
+        devices = {v.device for v in self.values}
+        if len(devices) == 1:
+            # Mixed float16/bfloat16/float32 promote in stack; their values are exact in the result.
+            out: list[float] = torch.stack(self.values).tolist()
+            return out
+        numbers: list[float] = [math.nan] * len(self.values)
+        for device in devices:  # a model split across devices
+            positions = [i for i, v in enumerate(self.values) if v.device == device]
+            for i, value in zip(positions, torch.stack([self.values[i] for i in positions]).tolist()):
+                numbers[i] = value
+        return numbers
+
+
+@dataclass
+class StepState:
+    """What the hooks gather during one step; the watch starts a fresh one at each step boundary."""
+
+    micro: deque[MicroBatch] = field(default_factory=deque)
+    collector: Collector = field(default_factory=Collector)
+    orphan_losses: list[int] = field(default_factory=list)  # losses scaled without a root forward this step
+    forwards: int = 0
+    dropped_micro: int = 0
+    kept_bytes: int = 0  # output gradients kept for a replay
+    tensor_handles: list[Any] = field(default_factory=list)
+
+    def remove_hooks(self) -> None:
+        for handle in self.tensor_handles:
+            handle.remove()
+        self.tensor_handles.clear()
+
+    def read(
+        self, step: int, rank: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor]
+    ) -> tuple[StepRecord, list[bool]]:
+        """The step's record, from one read-back of everything collected plus the scales and found-inf flags
+        (``before``/``after``: device tensors, or floats for a scaler without one; None: not read)."""
+        collector = self.collector
+        base = len(collector.values)
+        for v in [v for v in (before, after) if isinstance(v, torch.Tensor)] + found:
+            collector.add(v)
+        numbers = collector.read()  # the one host transfer of this step
+        tail = iter(numbers[base:])
+        scale_before = next(tail) if isinstance(before, torch.Tensor) else float(before or 1.0)
+        scale_after = next(tail) if isinstance(after, torch.Tensor) else float(after or scale_before)
+        scales = StepScales(scale_before, scale_after, sum(tail) if found else None)
+        return step_record(
+            step, rank, numbers, collector, list(self.micro), self.orphan_losses, sampled, self.forwards, scales
+        )
+
+
+def bad_pair(lo: float, hi: float) -> bool:
+    """Non-finite, unless the only non-finite values are ``-inf`` (an additive mask, not an overflow)."""
+    return math.isnan(lo) or math.isnan(hi) or hi == math.inf
+
+
+@dataclass(frozen=True)
+class StepScales:
+    """The scale before and after ``update`` and the sum of GradScaler's found-inf flags (None: not read)."""
+
+    before: float
+    after: float
+    found_inf: Optional[float]
+
+
+def step_record(
+    step: int,
+    rank: int,
+    numbers: list[float],
+    collector: Collector,
+    micro: list[MicroBatch],
+    orphans: list[int],
+    sampled: bool,
+    forwards: int,
+    scales: StepScales,
+) -> tuple[StepRecord, list[bool]]:
+    """The step's record from the numbers read back, and which micro-batches had a non-finite forward.
+
+    ``orphans`` are losses seen by ``scaler.scale`` without a root forward of this step (kept for the mean loss).
+    """
+    for m in micro:
+        m.loss_value = numbers[m.loss_slot] if m.loss_slot is not None else None
+    losses = [m.loss_value for m in micro if m.loss_value is not None] + [numbers[i] for i in orphans]
+    bad_micro = [
+        (m.loss_value is not None and not math.isfinite(m.loss_value))
+        or any(bad_pair(numbers[i], numbers[i + 1]) for i in m.root_slots)
+        for m in micro
+    ]
+    forward_finite = not any(bad_micro) and all(math.isfinite(numbers[i]) for i in orphans)
+    skipped = scales.found_inf > 0 if scales.found_inf is not None else scales.after < scales.before
+    out_max: dict[str, float] = {}
+    grad_max: dict[str, float] = {}
+    bad_out: list[str] = []
+    bad_grad: list[str] = []
+    if sampled:
+        for index, kind, module, low in collector.layout:
+            lo, hi = numbers[index], numbers[index + 1]
+            maxima, bad = (grad_max, bad_grad) if kind == "grad" else (out_max, bad_out)
+            if bad_pair(lo, hi):
+                if module not in bad:
+                    bad.append(module)
+                continue
+            if not low:
+                continue  # only tensors in the low-precision format can overflow it
+            value = max(abs(hi), abs(lo) if math.isfinite(lo) else 0.0)  # -inf masks: the finite side
+            if kind == "grad" and scales.before:
+                value /= scales.before  # gradients are stored unscaled, like everywhere else
+            maxima[module] = max(maxima.get(module, 0.0), value)
+    record = StepRecord(
+        step=step,
+        scale=scales.before,
+        skipped=skipped,
+        loss=(sum(losses) / len(losses)) if losses else None,
+        rank=rank,
+        forward_finite=forward_finite,
+        new_scale=scales.after,
+        micro_batches=forwards,
+        sampled=sampled,
+        out_abs_max=FrozenMap(out_max),
+        grad_abs_max=FrozenMap(grad_max),
+        nonfinite_outputs=tuple(bad_out),
+        nonfinite_grads=tuple(bad_grad),
+        # this rank's own forward, or its own gradients before any all-reduce, went non-finite
+        local_nonfinite=not forward_finite or bool(bad_out) or bool(bad_grad),
+    )
+    return record, bad_micro
+
+
+def tensor_versions(args: Any, kwargs: Any) -> list[int]:
+    """The in-place versions of every tensor in a call's inputs."""
+    return [t._version for _, t in iter_tensors((args, kwargs), "")]
+
+
+def weight_versions(model: torch.nn.Module) -> int:
+    """A cheap fingerprint of in-place updates to the parameters (optimizer steps bump ``_version``)."""
+    return sum(p._version for p in model.parameters())
+
+
+def detach_tree(obj: Any) -> Any:
+    """The same structure with every tensor detached (no copy, no graph kept alive)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if type(obj) is tuple and all(isinstance(v, torch.Tensor) for v in obj):  # the common case, without pytree
+        return tuple(v.detach() for v in obj)
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, obj)
+
+
+def loss_value(outputs: Any) -> Optional[torch.Tensor]:
+    """What ``scaler.scale`` was given, as one 0-d tensor on its device (a sum over several losses)."""
+    tensors = [t for _, t in iter_tensors(outputs, "loss") if t.is_floating_point() and t.numel()]
+    if not tensors:
+        return None
+    value = tensors[0].detach()
+    value = value.reshape(()) if value.numel() == 1 else value.float().sum()
+    for extra in tensors[1:]:
+        value = value.float() + extra.detach().float().sum()
+    return value
+
+
+def scale_value(scaler: Any) -> Union[torch.Tensor, float]:
+    """The scaler's scale as a device tensor (no sync), or 1.0 without an enabled scaler."""
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+        return 1.0
+    tensor = getattr(scaler, "_scale", None)
+    if isinstance(tensor, torch.Tensor):
+        return tensor.detach().clone().reshape(())
+    return float(scaler.get_scale())
+
+
+def found_inf_flags(scaler: Any) -> list[torch.Tensor]:
+    """GradScaler's own found-inf flags of this step (read before ``update`` clears them)."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, Mapping):
+        return []
+    found = []
+    for state in states.values():
+        per_device = state.get("found_inf_per_device", {}) if isinstance(state, Mapping) else {}
+        found += [v.reshape(()) for v in per_device.values() if isinstance(v, torch.Tensor)]
+    return found

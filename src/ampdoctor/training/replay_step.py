@@ -1,0 +1,254 @@
+"""Replaying a failing training step with ``ampdoctor.diagnose``: the capture of a skipped step.
+
+The watch keeps each root forward's inputs and the RNG state before it (:class:`~.readback.MicroBatch`). When a
+step fails, :func:`capture` runs ``diagnose`` on those inputs with that RNG state, so dropout draws the masks
+the failing forward drew. Its backward uses the user's ``loss_fn``, the output's own loss, or else the
+gradient the real loss sent into the model's outputs, replayed through :class:`_GradReplay`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+from torch import nn
+
+from ..analysis import Origin, classify
+from ..api import diagnose
+from ..capture.state import RngState
+from ..capture.stats import tensor_stats
+from ..capture.walk import iter_tensors
+from ..errors import AmpDoctorError
+from ..records import LOSS, StepRecord
+from ..report import Report
+from .readback import MicroBatch, weight_versions
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+T = TypeVar("T")
+
+# Candidates tried per capture when no micro-batch had a non-finite forward (the overflow was in the backward).
+MAX_REPLAYS_PER_CAPTURE = 4
+# A replay never runs below this scale (GradScaler's scale can underflow towards 0 in a persistent failure).
+MIN_REPLAY_SCALE = 2.0**-24
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A ``diagnose`` of a failing step's inputs."""
+
+    step: int
+    report: Report
+    micro: int  # which micro-batch of the step it replayed
+    local_nonfinite: bool  # the replay found an origin: this rank's own forward or backward made inf/NaN
+
+
+@dataclass(frozen=True)
+class StepReplayer:
+    """What a capture needs to know of the watched model."""
+
+    root: nn.Module
+    low: torch.dtype
+    device_type: str
+    loss_fn: Optional[LossFn]
+
+
+def with_rng(rng: RngState, run: Callable[[], T]) -> T:
+    """``run()`` with every random stream set to ``rng``; the caller's streams are put back afterwards."""
+    saved = RngState.capture()
+    try:
+        rng.restore()
+        return run()
+    finally:
+        saved.restore()
+
+
+def capture(
+    replayer: StepReplayer, micro: list[MicroBatch], bad_micro: list[bool], step: int, scale: float,
+    note: Callable[[str], None],
+) -> Optional[Capture]:
+    """Diagnose the failing step's kept forwards, those with a non-finite forward first, until one shows an
+    origin; failures to replay become notes (a capture never raises into the training loop)."""
+    order = sorted(range(len(micro)), key=lambda i: (not bad_micro[i], i))
+    first: Optional[Capture] = None
+    for index in order[:MAX_REPLAYS_PER_CAPTURE]:
+        try:
+            report = replay_micro(replayer, micro[index], scale, step)
+        except Exception as exc:  # the user's loss_fn or model raised: say so, try the next candidate
+            note(f"step {step}: the capture could not replay the batch ({type(exc).__name__}: {exc})")
+            continue
+        found = report.forward_origin is not None or report.backward_origin is not None
+        result = Capture(step, report, index, found)
+        first = first or result
+        if found:
+            return result
+    return first
+
+
+def replay_micro(replayer: StepReplayer, m: MicroBatch, scale: float, step: int) -> Report:
+    """``diagnose`` on a kept forward's inputs, with every random stream as it was before that forward."""
+    batch = as_batch(replayer.root, m.args, m.kwargs)
+    loss_fn, backward, notes, bad_grad = capture_loss(replayer.loss_fn, m, scale)
+    if weight_versions(replayer.root) != m.weight_versions:
+        notes.append(
+            "the weights changed between the failing forward and this capture (the optimizer stepped on the "
+            "non-finite gradients first): the replay ran on the updated weights; close bfloat16 steps with "
+            "doctor.step() before optimizer.step()"
+        )
+    if m.inputs_changed():
+        notes.append("the batch tensors were modified in place after the forward; the capture replayed their "
+                     "current contents")
+    report = with_rng(m.rng, lambda: diagnose(
+        replayer.root, batch, loss_fn=loss_fn, dtype=replayer.low, device_type=replayer.device_type,
+        scale=max(scale, MIN_REPLAY_SCALE), backward=backward,
+    ))
+    if bad_grad is not None:
+        report = loss_gradient_origin(report, bad_grad[0], bad_grad[1], scale, replayer.low)
+    run = dataclasses.replace(report.run, scale_source=f"the watched GradScaler at step {step}")
+    return add_notes(dataclasses.replace(report, run=run), notes)
+
+
+def capture_loss(
+    loss_fn: Optional[LossFn], m: MicroBatch, scale: float
+) -> tuple[Optional[LossFn], bool, list[str], Optional[tuple[str, torch.Tensor]]]:
+    """The loss a capture back-propagates: the user's, the output's own, or the real one replayed through
+    the kept gradient w.r.t. the outputs. Returns (loss_fn, backward, notes, non-finite output gradient)."""
+    if loss_fn is not None:
+        return bind_loss(loss_fn, m.targets), True, [], None
+    if m.own_loss or not m.expected_grads:
+        return None, True, [], None
+    grads = m.output_grads()
+    if grads is None:
+        return None, True, [
+            "the gradient w.r.t. the model's output was not kept (too large, or never computed): the capture's "
+            "backward used a surrogate loss; pass loss_fn= to watch for the real gradients"
+        ], None
+    for path, g in grads.items():
+        if not bool(torch.isfinite(g).all()):
+            return None, False, [], (path, g)
+    notes = ["no loss_fn given: the capture replayed the loss through its recorded gradient w.r.t. the model's "
+             "output"]
+    return output_grad_loss(grads, scale, m.loss_value), True, notes, None
+
+
+def as_batch(model: nn.Module, args: Any, kwargs: Mapping[str, Any]) -> Any:
+    """The ``diagnose`` batch (Tensor, tuple or dict) that calls ``model`` like ``model(*args, **kwargs)``."""
+    args = tuple(args)
+    if not kwargs:
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):
+            return args[0]
+        return args
+    if not args:
+        return dict(kwargs)
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise AmpDoctorError(f"cannot replay a call with both positional and keyword inputs: {exc}") from exc
+    out: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind == inspect.Parameter.VAR_POSITIONAL:
+            raise AmpDoctorError("cannot replay a call that passes *args together with keyword inputs")
+        if kind == inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
+def bind_loss(loss_fn: Optional[LossFn], targets: Any) -> Optional[LossFn]:
+    """``loss_fn(output, targets)`` when targets were handed over, else ``loss_fn(output, batch)``."""
+    if loss_fn is None or targets is None:
+        return loss_fn
+    bound: LossFn = loss_fn
+
+    def with_targets(output: Any, batch: Any) -> torch.Tensor:
+        return bound(output, targets)
+
+    return with_targets
+
+
+def has_own_loss(output: Any) -> bool:
+    """The output carries its loss, so ``diagnose`` back-propagates the real one without a loss_fn."""
+    if isinstance(output, torch.Tensor):
+        return output.numel() == 1
+    if isinstance(getattr(output, "loss", None), torch.Tensor):
+        return True
+    return isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor)
+
+
+class _GradReplay(torch.autograd.Function):
+    """A loss term whose gradient w.r.t. ``output`` is a recorded (unscaled, float32) gradient.
+
+    Times the replay's scale, autograd casts it to the output's dtype, as the real backward did.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(grad)
+        return torch.zeros((), dtype=torch.float32, device=output.device)
+
+    @staticmethod
+    def backward(ctx: Any, upstream: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (grad,) = ctx.saved_tensors
+        return upstream * grad, None
+
+
+def output_grad_loss(grads: Mapping[str, torch.Tensor], scale: float, value: Optional[float]) -> LossFn:
+    """A loss whose gradient w.r.t. each output is the recorded one (``grads`` are scaled by ``scale``), and
+    whose value is the recorded loss value."""
+    unscaled = {path: g.detach().float() / scale for path, g in grads.items()}
+
+    def loss(output: Any, batch: Any) -> torch.Tensor:
+        total: Optional[torch.Tensor] = None
+        for path, t in iter_tensors(output, "out"):
+            g = unscaled.get(path)
+            if g is None or tuple(g.shape) != tuple(t.shape):
+                continue
+            term = _GradReplay.apply(t, g.to(t.device))
+            total = term if total is None else total + term
+        if total is None:
+            raise AmpDoctorError("the recorded output gradients do not match the model's outputs")
+        return total + (value if value is not None else 0.0)
+
+    return loss
+
+
+def loss_gradient_origin(report: Report, path: str, grad: torch.Tensor, scale: float, low: torch.dtype) -> Report:
+    """The gradient reaching the model's output was already non-finite: the backward origin is the loss/scale."""
+    stats = tensor_stats(grad, low).scaled_down(scale)
+    origin = Origin("backward", LOSS, 0, "loss", f"grad:{path}", stats, None)
+    verdict = report.verdict if report.verdict != "healthy" else classify(stats, None)
+    findings = dataclasses.replace(report.findings, backward_origin=origin, verdict=verdict)
+    note = (
+        f"the gradient of the loss reaching the model's output ({path}) was already non-finite at scale {scale:g}: "
+        "it overflowed before any layer ran backward; the capture replayed the forward only (pass loss_fn= to "
+        "watch to replay the loss itself)"
+    )
+    return add_notes(dataclasses.replace(report, findings=findings), [note])
+
+
+def with_capture(record: StepRecord, report: Report, local: Optional[bool]) -> StepRecord:
+    """A step record with what a capture found: origins and the parameters with non-finite gradients."""
+    fwd, bwd = report.forward_origin, report.backward_origin
+    params = sorted(name for name, stats in report.trace.param_grads().items() if not stats.is_finite)
+    return dataclasses.replace(
+        record,
+        forward_origin=fwd.label if fwd else None,
+        backward_origin=bwd.label if bwd else None,
+        nonfinite_params=tuple(params),
+        captured=True,
+        capture_verdict=report.verdict,
+        local_nonfinite=record.local_nonfinite or bool(local),
+    )
+
+
+def add_notes(report: Report, notes: list[str]) -> Report:
+    """The report with ``notes`` added to its run notes (each once)."""
+    if not notes:
+        return report
+    run = dataclasses.replace(report.run, notes=(*report.run.notes, *[n for n in notes if n not in report.run.notes]))
+    return dataclasses.replace(report, run=run)

@@ -1,0 +1,169 @@
+"""Runs of bad training steps: harmless, persistent or still open (pure: records in, records out; no torch).
+
+A *bad* step is a skipped one (GradScaler found inf/NaN) or one whose forward was non-finite. Consecutive bad
+steps form a run (ARCHITECTURE.md §2):
+
+* **persistent** as soon as one of its steps has a non-finite forward, or a skip takes the scale below 1
+  (the gradients are non-finite even unscaled);
+* **harmless** when a good step ends it first (GradScaler did its job: it backed off and training went on);
+* **open** while neither happened yet.
+
+:class:`RunTracker` folds a stream of :class:`~ampdoctor.records.StepRecord` into runs and says which steps a
+capture should explain; the functions below merge the runs of several ranks and annotate steps with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from ..analysis import ScaleFinding, ScaleProbe
+from ..records import RunStatus, StepRecord
+
+HARMLESS: RunStatus = "harmless"
+PERSISTENT: RunStatus = "persistent"
+OPEN: RunStatus = "open"
+
+# Runs of bad steps remembered (the first persistent one is always kept).
+MAX_RUNS_KEPT = 1000
+
+# Gravity of a run's status: with several ranks a step gets the gravest verdict any rank gave it.
+SEVERITY: dict[RunStatus, int] = {HARMLESS: 0, OPEN: 1, PERSISTENT: 2}
+
+# Why a step deserves a full capture: it starts a run, or it is where the run turned persistent. Each kind has
+# its own budget (``max_captures``), so a long training run of harmless skips cannot spend the persistent one.
+CaptureKind = Literal["run_start", "persistent"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run of consecutive bad steps (skipped, or with a non-finite forward)."""
+
+    start: int
+    end: Optional[int] = None  # the last bad step, once a good step ended the run
+    status: RunStatus = OPEN
+    persistent_step: Optional[int] = None  # the step that made it persistent
+    reason: str = ""  # why it is persistent
+    skips: int = 0  # skipped steps in the run (a non-finite forward without a skip counts as bad, not skipped)
+    capture_step: Optional[int] = None  # the step whose capture explains the run so far
+    harmless_scale: Optional[float] = None  # the scale of the good step that ended a harmless run
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one step did to the runs."""
+
+    run: Optional[Run]  # the run a bad step belongs to (as updated by it); None for a good step
+    capture: Optional[CaptureKind] = None  # this step should be captured, and why
+    ended: Optional[Run] = None  # the run a good step ended
+
+
+def is_bad(step: StepRecord) -> bool:
+    return step.skipped or not step.forward_finite
+
+
+def persistent_reason(step: StepRecord) -> str:
+    """Why this bad step makes its run persistent, or ``""`` when it does not."""
+    if not step.forward_finite:
+        return "the forward was non-finite (loss or model output)"
+    if step.skipped and step.new_scale is not None and step.new_scale < 1:
+        return f"the scale fell below 1 ({step.new_scale:g}): gradients are non-finite even unscaled"
+    return ""
+
+
+class RunTracker:
+    """Folds steps, in order, into runs of bad steps."""
+
+    def __init__(self, max_kept: int = MAX_RUNS_KEPT) -> None:
+        self._runs: list[Run] = []
+        self._open = False  # the last run in ``_runs`` is still going
+        self._max_kept = max(2, max_kept)
+
+    @property
+    def runs(self) -> tuple[Run, ...]:
+        return tuple(self._runs)
+
+    @property
+    def open_run(self) -> Optional[Run]:
+        return self._runs[-1] if self._open else None
+
+    def observe(self, step: StepRecord) -> Observed:
+        if not is_bad(step):
+            if not self._open:
+                return Observed(None)
+            run = self._runs[-1]
+            ended = dataclasses.replace(run, end=step.step - 1)
+            if run.status == OPEN:  # a good step (finite forward, scale >= 1: else it would be persistent)
+                ended = dataclasses.replace(ended, status=HARMLESS, harmless_scale=step.scale)
+            self._runs[-1] = ended
+            self._open = False
+            return Observed(None, ended=ended)
+        capture: Optional[CaptureKind] = None
+        if not self._open:
+            if len(self._runs) >= self._max_kept:  # forget the oldest, but never the first persistent run
+                self._runs.pop(1 if self._runs[0].status == PERSISTENT else 0)
+            self._runs.append(Run(start=step.step))
+            self._open = True
+            capture = "run_start"
+        run = dataclasses.replace(self._runs[-1], skips=self._runs[-1].skips + int(step.skipped))
+        reason = persistent_reason(step) if run.status != PERSISTENT else ""
+        if reason:
+            run = dataclasses.replace(run, status=PERSISTENT, persistent_step=step.step, reason=reason)
+            capture = "persistent"
+        self._runs[-1] = run
+        return Observed(run, capture)
+
+    def explained_by(self, step: int) -> Run:
+        """The open run is explained by the capture of ``step`` from now on."""
+        if not self._open:
+            raise ValueError("no open run")
+        self._runs[-1] = dataclasses.replace(self._runs[-1], capture_step=step)
+        return self._runs[-1]
+
+
+def track(steps: Iterable[StepRecord]) -> tuple[Run, ...]:
+    """The runs of a sequence of steps (one rank, in order)."""
+    tracker = RunTracker()
+    for step in steps:
+        tracker.observe(step)
+    return tracker.runs
+
+
+# -- several ranks --------------------------------------------------------------------------------------------
+
+
+def merged_runs(runs: Iterable[Run]) -> list[Run]:
+    """Ranks skip together (the gradients are reduced): one run per start step, with the gravest status."""
+    by_start: dict[int, Run] = {}
+    for r in runs:
+        seen = by_start.get(r.start)
+        if seen is None or SEVERITY[r.status] > SEVERITY[seen.status]:
+            by_start[r.start] = r
+    return [by_start[k] for k in sorted(by_start)]
+
+
+def annotate(steps: Sequence[StepRecord], runs: Iterable[Run]) -> list[StepRecord]:
+    """Each bad step gets the status of the run it is in; with several ranks' runs, the gravest one."""
+    status: dict[int, RunStatus] = {}
+    bad_steps = {s.step for s in steps if is_bad(s)}
+    for run in runs:
+        last = run.end if run.end is not None else math.inf
+        for step in bad_steps:
+            if run.start <= step <= last and (step not in status or SEVERITY[run.status] >= SEVERITY[status[step]]):
+                status[step] = run.status
+    return [dataclasses.replace(s, run=status[s.step]) if s.step in status else s for s in steps]
+
+
+def scale_from_runs(runs: Iterable[Run]) -> Optional[ScaleFinding]:
+    """A loss-scale finding from training alone: the first harmless run skipped at a scale, and training was
+    good again at a lower one (each skip halves the scale: the first skip was at ``good * 2**skips``)."""
+    ended = [r for r in runs if r.status == HARMLESS and r.harmless_scale is not None]
+    if not ended:
+        return None
+    r = ended[0]
+    good = float(r.harmless_scale or 1.0)
+    used = good * 2.0 ** max(1, r.skips)
+    return ScaleFinding(used, (ScaleProbe(good, True), ScaleProbe(used, False)), good, None, used)
