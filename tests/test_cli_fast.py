@@ -80,10 +80,3 @@ def test_the_command_line_imports_no_torch_for_help(files: Path) -> None:
     result, err = run(["scan", "--help"], files)
     assert result == {"code": 0, "torch": False}, err
 
-
-def test_the_torch_free_bundle_marker_is_the_bundle_format() -> None:
-    # cli.inputs keeps its own copy because training.runtime (which defines it) imports torch.
-    from ampdoctor.cli.inputs import BUNDLE_MARKER
-    from ampdoctor.training.runtime import BUNDLE_FORMAT
-
-    assert BUNDLE_MARKER == BUNDLE_FORMAT

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import InvalidInput, ModelRaised
+from ..training.bundle_format import BUNDLE_FORMAT
 from .common import user_code
 
 if TYPE_CHECKING:
@@ -28,8 +29,6 @@ INPUT_SEED = 0
 INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 # A random input larger than this many values is refused (2**31 float32 values are 8 GiB).
 MAX_INPUT_VALUES = 2**31
-# The format marker of ampdoctor.watch's failure bundles (training.runtime.BUNDLE_FORMAT, which imports torch).
-BUNDLE_MARKER = "ampdoctor-bundle"
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
@@ -101,7 +100,7 @@ def check_arguments(args: argparse.Namespace) -> DiagnoseInputs:
         raise InvalidInput(f"--batch {args.batch}: no such file")
     shape = parse_shape(args.input_shape) if args.input_shape is not None else None
     check_dtype_name(args.input_dtype)
-    bundle = may_be_bundle(Path(args.checkpoint), BUNDLE_MARKER)
+    bundle = may_be_bundle(Path(args.checkpoint), BUNDLE_FORMAT)
     if bundle and (args.batch or shape):
         raise InvalidInput(f"{args.checkpoint} is a failure bundle with its own batch: drop --batch/--input-shape")
     if not bundle and not args.batch and not shape:

@@ -28,11 +28,11 @@ from ..errors import AmpDoctorError
 from ..records import StepRecord
 from ..report import Report
 from ..serial import to_plain
+from .bundle_format import BUNDLE_FORMAT
 from .readback import MicroBatch
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-BUNDLE_FORMAT = "ampdoctor-bundle"
 BUNDLE_VERSION = 1
 # Nesting kept of the user's inputs and targets (deeper levels are saved as None).
 MAX_TREE_DEPTH = 8
