@@ -42,7 +42,8 @@ class RngState:
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None and _cuda_ready():
-            torch.cuda.set_rng_state_all(list(self.cuda))
+            # A state saved on a machine with more GPUs (a failure bundle): the devices this one has.
+            torch.cuda.set_rng_state_all(list(self.cuda)[: torch.cuda.device_count()])
         random.setstate(self.python)
         np.random.set_state(self.numpy)
 

@@ -86,9 +86,6 @@ def _replay(
     if rng is None:
         notes.append("the bundle holds no random state: dropout and other random ops drew new values")
     else:
-        if rng.cuda is not None and torch.cuda.is_available() and len(rng.cuda) > torch.cuda.device_count():
-            # saved on a machine with more GPUs: the streams of the devices this one has
-            rng = dataclasses.replace(rng, cuda=rng.cuda[: torch.cuda.device_count()])
         rng.restore()  # the failing forward's streams: dropout draws its masks (diagnose rewinds to them per pass)
     report = diagnose(
         root, batch, loss_fn=replay_loss, dtype=low_dtype(str(data.get("dtype"))), device_type=target.type,
