@@ -298,7 +298,7 @@ def test_everything_is_removed_after_an_exception_in_the_forward() -> None:
     assert "update" not in scaler.__dict__ and "scale" not in scaler.__dict__
 
 
-def test_a_capture_that_fails_never_breaks_the_training_loop(tmp_path: Path) -> None:
+def test_a_loss_fn_that_fails_on_the_replayed_batch_falls_back_to_the_recorded_gradient(tmp_path: Path) -> None:
     def broken_loss(out: torch.Tensor, _: Any) -> torch.Tensor:
         raise KeyError("no targets here")
 
@@ -308,10 +308,34 @@ def test_a_capture_that_fails_never_breaks_the_training_loop(tmp_path: Path) -> 
         train(model, scaler, [torch.full((2, 16), 0.5), torch.ones(2, 16), torch.full((2, 16), 0.5)])
     report = doctor.report()
     assert [s.skipped for s in report.steps] == [False, True, False]
+    assert report.steps[1].captured and report.steps[1].run == "persistent"
+    assert report.verdict == "overflow" and report.forward_origin is not None
+    assert report.forward_origin.module == "boom" and report.trace.backward_ran
+    assert "loss_fn raised on the replayed batch (KeyError" in str(report)
+    assert_no_watch_left(model, scaler)
+
+
+def test_a_capture_that_fails_never_breaks_the_training_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ampdoctor.training.replay_step as replay_step
+
+    def broken_diagnose(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("replay impossible")
+
+    monkeypatch.setattr(replay_step, "diagnose", broken_diagnose)
+    model = overflow_model()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, scaler, bundle_dir=tmp_path) as doctor:
+        train(model, scaler, [torch.full((2, 16), 0.5), torch.ones(2, 16), torch.full((2, 16), 0.5)])
+    report = doctor.report()
+    assert [s.skipped for s in report.steps] == [False, True, False]
     assert not report.steps[1].captured and report.steps[1].run == "persistent"
     assert report.verdict == "overflow" and report.forward_origin is None  # known from training, not located
-    assert "could not replay the batch" in str(report) and "not captured" in str(report)
+    assert "could not replay the batch (RuntimeError: replay impossible)" in str(report)
+    assert "not captured" in str(report)
     assert doctor.bundle_path is not None  # the failing batch is kept all the same, for a later replay
+    monkeypatch.undo()
     assert replay_bundle(doctor.bundle_path, overflow_model).forward_origin.module == "boom"  # type: ignore[union-attr]
     assert_no_watch_left(model, scaler)
 

@@ -392,6 +392,9 @@ class StepRecord(NanEq):
     capture_verdict: Optional[Verdict] = None
     explained_by: Optional[int] = None  # a skipped step not captured itself: the step whose capture explains it
     run: Optional[RunStatus] = None  # in a run of skipped steps (set by report())
+    # L2 norm of each module's own parameters (this rank's shard under FSDP), on sampled steps and on the first
+    # step of each run of bad steps: how fast weights grow before a divergence.
+    weight_norm: FrozenMap[str, float] = field(default_factory=FrozenMap)
 
 
 PassStatus = Literal["ran", "failed", "skipped"]

@@ -8,7 +8,9 @@
 from .analyze import analyze
 from .findings import (
     VERDICTS,
+    Divergence,
     Findings,
+    Growth,
     NearLimit,
     Origin,
     PrecisionFinding,
@@ -24,7 +26,9 @@ from .origin import backward_origin, classify, forward_creators, forward_origin,
 
 __all__ = [
     "VERDICTS",
+    "Divergence",
     "Findings",
+    "Growth",
     "NearLimit",
     "Origin",
     "PrecisionFinding",

@@ -158,6 +158,39 @@ class PrecisionFinding:
 
 # A call's relative error "jumps" when it is at least this many times the median over compared calls.
 
+GrowthKind = typing.Literal["weights", "activations"]
+
+
+@dataclass(frozen=True)
+class Growth:
+    """A module's weights (norm) or low-precision activations (abs max) growing between two steps."""
+
+    module: str
+    what: GrowthKind
+    before: float
+    after: float
+    from_step: int
+    to_step: int
+
+    @property
+    def factor(self) -> float:
+        return self.after / self.before if self.before > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Training diverged into a run of skipped steps (``ampdoctor.watch``): the loss left its range, or a layer's
+    weights or activations grew fast, shortly before. Not harmless: GradScaler backing off does not fix it."""
+
+    began: int  # the first step whose loss left its range (else the first sample that showed the growth)
+    skipped_from: int  # the first step of the run of bad steps it led to
+    loss_median: Optional[float]  # the median of the recent losses before ``began``
+    loss_peak: Optional[float]  # the largest loss from ``began`` on (inf or NaN when the loss went non-finite)
+    peak_step: Optional[int]
+    growth: tuple[Growth, ...]  # the modules that grew fastest, fastest first
+    advice: tuple[str, ...]  # what to try
+
+
 @dataclass(frozen=True)
 class Findings:
     verdict: Verdict
@@ -171,4 +204,5 @@ class Findings:
     warnings: tuple[str, ...] = ()
     window: Optional[ScaleWindow] = None
     precision: Optional[PrecisionFinding] = None
+    divergence: Optional[Divergence] = None  # ampdoctor.watch: a run of skipped steps that a divergence led into
 

@@ -1,13 +1,21 @@
-"""What the watch does with each finished step: run bookkeeping, captures of failing steps, the failure bundle.
+"""What the watch does with each finished step: run bookkeeping, captures of failing steps, the failure bundle,
+and one log line when something happens.
 
-:class:`FailureTracker` feeds every step record to the pure :class:`~.runs.RunTracker`, runs a capture
-(``diagnose`` of the failing forward, :mod:`.replay_step`) where a run starts or turns persistent, within a
-budget per kind, points later skips of a run at its capture, and writes the failure bundle once.
+:class:`FailureTracker` feeds every step record to the pure :class:`~.runs.RunTracker` and says what the step
+calls for (:meth:`FailureTracker.plan`: a capture where a run starts or turns persistent, within a budget per kind;
+the bundle once); :meth:`FailureTracker.execute` runs it (``diagnose`` of the failing forward, :mod:`.replay_step`),
+points later skips of a run at its capture, and writes the bundle. Between the two, the watch may agree with the
+other ranks and gather a sharded model (:mod:`.sharded`).
+
+**Logging.** A persistent failure, a divergence and a written bundle each log one line on the ``ampdoctor`` logger
+at WARNING, so Python's default handling prints it to stderr while training runs (ampdoctor adds no handler of
+its own); in a distributed run each rank logs its own failures, prefixed with ``[rank R]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +27,24 @@ from ..records import StepRecord
 from .bundle import Failure, PathLike, write_bundle
 from .readback import MicroBatch
 from .replay_step import Capture, StepReplayer, capture, with_capture
-from .runs import CaptureKind, Run, RunTracker
+from .runs import PERSISTENT, CaptureKind, Run, RunTracker
+
+log = logging.getLogger("ampdoctor")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one finished step calls for."""
+
+    record: StepRecord
+    run: Optional[Run]  # the run a bad step belongs to; None for a good step
+    kind: Optional[CaptureKind]  # why this step deserves a capture
+    capture: bool  # a capture is due and within its budget
+    bundle: bool  # the failure bundle is due
+
+    @property
+    def work(self) -> bool:
+        return self.capture or self.bundle
 
 
 @dataclass(eq=False)
@@ -41,26 +66,38 @@ class FailureTracker:
     bundle_path: Optional[Path] = None
     used: dict[CaptureKind, int] = field(default_factory=lambda: {"run_start": 0, "persistent": 0})
 
-    def track(
-        self,
-        record: StepRecord,
-        micro: list[MicroBatch],
-        bad_micro: list[bool],
-        replayer: StepReplayer,
-        history: Sequence[StepRecord],
-    ) -> StepRecord:
-        """The step's record with what its capture (or its run's) found; captures and the bundle on the way.
-
-        ``history`` is the steps recorded before this one (for the bundle's records). Never raises from a capture
-        or a bundle: what fails becomes a note.
-        """
+    def plan(self, record: StepRecord, micro: list[MicroBatch]) -> Plan:
+        """Fold the step into the runs; what it calls for (nothing runs yet)."""
         observed = self.runs.observe(record)
         run = observed.run
-        if run is None:  # a good step
-            return record
+        if run is None and observed.ended is not None and observed.ended.divergence is not None:
+            self._say(f"step {record.step}: {_divergence_line(observed.ended)}")
+        if run is None:
+            return Plan(record, None, None, False, False)
         kind = observed.capture
+        due = kind is not None and bool(micro) and self.used[kind] < self.max_captures
+        bundle = kind == "persistent" and bool(micro) and self.save_bundle and self.bundle_path is None
+        return Plan(record, run, kind, due, bundle)
+
+    def execute(
+        self,
+        plan: Plan,
+        micro: list[MicroBatch],
+        bad_micro: list[bool],
+        replayer: Optional[StepReplayer],
+        history: Sequence[StepRecord],
+    ) -> StepRecord:
+        """The step's record with what its capture (or its run's) found; the capture and the bundle on the way.
+
+        ``replayer`` None: the plan's work cannot run here (say why beforehand). ``history`` is the steps recorded
+        before this one (for the bundle's records). Never raises from a capture or a bundle: what fails becomes
+        a note.
+        """
+        record, run, kind = plan.record, plan.run, plan.kind
+        if run is None:
+            return record
         captured: Optional[Capture] = None
-        if kind is not None and micro and self.used[kind] < self.max_captures:
+        if plan.capture and kind is not None and replayer is not None:
             self.used[kind] += 1
             captured = capture(replayer, micro, bad_micro, record.step, record.scale, self.note)
             if captured is not None:
@@ -71,7 +108,9 @@ class FailureTracker:
                     self.failure = self.failure or captured
         else:
             record = self._explained(record, run)
-        if kind == "persistent" and micro and self.save_bundle and self.bundle_path is None:
+        if kind == "persistent":
+            self._say_persistent(record, run, captured)
+        if plan.bundle and replayer is not None:
             # the batch that failed, captured or not: it can be replayed later (``replay_bundle``)
             index = captured.micro if captured is not None else next((i for i, b in enumerate(bad_micro) if b), 0)
             self._write_bundle(record, micro[index], captured, replayer, history)
@@ -107,4 +146,29 @@ class FailureTracker:
             self.bundle_path = write_bundle(directory, failure, self.root, m, scaler_state)
         except Exception as exc:  # a full disk must not stop training: the report says so
             self.note(f"the failure bundle could not be written ({type(exc).__name__}: {exc})")
+            return
+        self._say(
+            f"step {record.step}: failure bundle written to {self.bundle_path} (replay it: ampdoctor diagnose "
+            f"{self.bundle_path} --model pkg.module:factory)"
+        )
 
+    def _say_persistent(self, record: StepRecord, run: Run, captured: Optional[Capture]) -> None:
+        if run.status != PERSISTENT or run.persistent_step != record.step:
+            return
+        if run.divergence is not None:
+            self._say(f"step {record.step}: {_divergence_line(run)}")
+            return
+        found = ""
+        if captured is not None:
+            origin = captured.report.forward_origin or captured.report.backward_origin
+            where = f", {origin.direction} origin: {origin.label}" if origin is not None else ""
+            found = f"; captured: {captured.report.verdict.upper()}{where}"
+        self._say(f"step {record.step}: persistent failure, {run.reason}{found} (see doctor.report())")
+
+    def _say(self, text: str) -> None:
+        prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
+        log.warning("%sampdoctor: %s", prefix, text)
+
+
+def _divergence_line(run: Run) -> str:
+    return f"{run.reason} (see doctor.report())"

@@ -7,11 +7,12 @@ scale, GradScaler's found-inf flags) in a :class:`Collector`; ``scaler.update`` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
@@ -39,6 +40,7 @@ class MicroBatch:
     weight_versions: int = 0  # sum of the parameters' in-place versions at the forward: did an optimizer step?
     expected_grads: set[str] = field(default_factory=set)  # output paths whose gradient is kept
     out_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # scaled gradient w.r.t. each output
+    not_kept: dict[str, int] = field(default_factory=dict)  # output paths whose gradient was over the cap: bytes
 
     @classmethod
     def keep(cls, model: torch.nn.Module, args: Any, kwargs: Any, targets: Any) -> MicroBatch:
@@ -61,37 +63,55 @@ class MicroBatch:
         return self.out_grads
 
 
+# One measured (lo, hi) pair: what it measures, the module ("" the root), its values, and whether the tensor was
+# in the low-precision format.
+Pair = tuple[PairKind, str, float, float, bool]
+
+
 class Collector:
-    """0-d device tensors of one step, with what each one is; read back in one transfer per device."""
+    """Device tensors of one step (0-d values, and 1-D blocks such as a compiled model's statistics buffer), with
+    what each one is; read back in one transfer per device."""
 
     def __init__(self) -> None:
-        self.values: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []  # 0-d, or 1-D blocks (each spans block.numel() numbers)
         self.layout: list[tuple[int, PairKind, str, bool]] = []  # (index of lo, kind, module, low dtype)
+        self.size = 0  # numbers in all values
 
     def add(self, value: torch.Tensor) -> int:
+        """A 0-d value, or a 1-D block; returns the index of its (first) number."""
         self.values.append(value)
-        return len(self.values) - 1
+        index = self.size
+        self.size += value.numel()
+        return index
 
     def pair(self, kind: PairKind, module: str, t: torch.Tensor, low: bool) -> int:
-        index = len(self.values)
-        self.values += torch.aminmax(t)  # one pass; NaN and inf show up in the result
+        index = self.add(torch.stack(torch.aminmax(t)))  # one pass; NaN and inf show up in the result
         self.layout.append((index, kind, module, low))
         return index
 
+    def pairs(self, numbers: list[float]) -> list[Pair]:
+        return [(kind, module, numbers[i], numbers[i + 1], low) for i, kind, module, low in self.layout]
+
     def read(self) -> list[float]:
-        """Every value as a Python float: one ``stack`` + ``tolist`` per device (all values are 0-d)."""
+        """Every number as a Python float: one ``cat`` + ``tolist`` per device."""
         if not self.values:
             return []
-        devices = {v.device for v in self.values}
-        if len(devices) == 1:
-            # Mixed float16/bfloat16/float32 promote in stack; their values are exact in the result.
-            out: list[float] = torch.stack(self.values).tolist()
-            return out
-        numbers: list[float] = [math.nan] * len(self.values)
-        for device in devices:  # a model split across devices
-            positions = [i for i, v in enumerate(self.values) if v.device == device]
-            for i, value in zip(positions, torch.stack([self.values[i] for i in positions]).tolist()):
-                numbers[i] = value
+        by_device: dict[torch.device, list[int]] = {}
+        for i, v in enumerate(self.values):
+            by_device.setdefault(v.device, []).append(i)
+        starts, at = [], 0
+        for v in self.values:
+            starts.append(at)
+            at += v.numel()
+        numbers: list[float] = [math.nan] * at
+        for positions in by_device.values():  # one device, unless the model is split across devices
+            # float64 holds every float16/bfloat16/float32 value exactly
+            flat = torch.cat([self.values[i].detach().reshape(-1).to(torch.float64) for i in positions]).tolist()
+            k = 0
+            for i in positions:
+                n = self.values[i].numel()
+                numbers[starts[i] : starts[i] + n] = flat[k : k + n]
+                k += n
         return numbers
 
 
@@ -113,22 +133,47 @@ class StepState:
         self.tensor_handles.clear()
 
     def read(
-        self, step: int, rank: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor]
+        self, step: int, rank: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor],
+        extras: Sequence[Extra] = (),
     ) -> tuple[StepRecord, list[bool]]:
         """The step's record, from one read-back of everything collected plus the scales and found-inf flags
-        (``before``/``after``: device tensors, or floats for a scaler without one; None: not read)."""
+        (``before``/``after``: device tensors, or floats for a scaler without one; None: not read) and the
+        ``extras`` (blocks of statistics gathered elsewhere: a compiled model's buffer, weight norms)."""
         collector = self.collector
-        base = len(collector.values)
-        for v in [v for v in (before, after) if isinstance(v, torch.Tensor)] + found:
-            collector.add(v)
+        scale_slots = [collector.add(v) for v in (before, after) if isinstance(v, torch.Tensor)]
+        found_slots = [collector.add(v) for v in found]
+        extra_slots = [collector.add(e.tensor) for e in extras]
         numbers = collector.read()  # the one host transfer of this step
-        tail = iter(numbers[base:])
+        tail = iter(numbers[i] for i in scale_slots)
         scale_before = next(tail) if isinstance(before, torch.Tensor) else float(before or 1.0)
         scale_after = next(tail) if isinstance(after, torch.Tensor) else float(after or scale_before)
-        scales = StepScales(scale_before, scale_after, sum(tail) if found else None)
-        return step_record(
-            step, rank, numbers, collector, list(self.micro), self.orphan_losses, sampled, self.forwards, scales
+        scales = StepScales(scale_before, scale_after, sum(numbers[i] for i in found_slots) if found else None)
+        pairs = collector.pairs(numbers)
+        weight_norm: dict[str, float] = {}
+        for extra, at in zip(extras, extra_slots):
+            decoded = extra.decode(numbers[at : at + extra.tensor.numel()])
+            pairs += decoded.pairs
+            weight_norm.update(decoded.weight_norm)
+        record, bad = step_record(
+            step, rank, numbers, pairs, list(self.micro), self.orphan_losses, sampled, self.forwards, scales
         )
+        return dataclasses.replace(record, weight_norm=FrozenMap(weight_norm)) if weight_norm else record, bad
+
+
+@dataclass
+class Decoded:
+    """What an :class:`Extra` block holds, once read back."""
+
+    pairs: list[Pair] = field(default_factory=list)
+    weight_norm: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Extra:
+    """A 1-D device tensor read back with the step, and how to read its numbers."""
+
+    tensor: torch.Tensor
+    decode: Callable[[list[float]], Decoded]
 
 
 def bad_pair(lo: float, hi: float) -> bool:
@@ -149,7 +194,7 @@ def step_record(
     step: int,
     rank: int,
     numbers: list[float],
-    collector: Collector,
+    pairs: list[Pair],
     micro: list[MicroBatch],
     orphans: list[int],
     sampled: bool,
@@ -175,8 +220,7 @@ def step_record(
     bad_out: list[str] = []
     bad_grad: list[str] = []
     if sampled:
-        for index, kind, module, low in collector.layout:
-            lo, hi = numbers[index], numbers[index + 1]
+        for kind, module, lo, hi, low in pairs:  # a "root" pair is the root's output (module "")
             maxima, bad = (grad_max, bad_grad) if kind == "grad" else (out_max, bad_out)
             if bad_pair(lo, hi):
                 if module not in bad:

@@ -1,15 +1,20 @@
 """Replaying a failing training step with ``ampdoctor.diagnose``: the capture of a skipped step.
 
-The watch keeps each root forward's inputs and the RNG state before it (:class:`~.readback.MicroBatch`). When a
-step fails, :func:`capture` runs ``diagnose`` on those inputs with that RNG state, so dropout draws the masks
-the failing forward drew. Its backward uses the user's ``loss_fn``, the output's own loss, or else the
-gradient the real loss sent into the model's outputs, replayed through :class:`_GradReplay`.
+The watch keeps each root forward's inputs and the RNG state before it (:class:`~.readback.MicroBatch`), and
+the gradient the step's own loss sent into the model's outputs (up to a size cap). When a step fails,
+:func:`capture` runs ``diagnose`` on those inputs with that RNG state, so dropout draws the masks the failing
+forward drew. Its backward needs no extra call in the loop: it replays the recorded output gradient
+(:class:`_GradReplay`), or the output's own loss (``output.loss``). With a ``loss_fn`` the replay re-runs the loss
+too (so a loss that overflows is found), checked against the step's recorded loss value: a ``loss_fn`` that
+raises on the replayed batch, or gives another value (no ``doctor.set_targets``: it got the batch as targets),
+falls back to the recorded gradient (:class:`CheckedLoss`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
@@ -22,7 +27,7 @@ from ..api import diagnose
 from ..capture.state import RngState
 from ..capture.stats import tensor_stats
 from ..capture.walk import iter_tensors
-from ..errors import AmpDoctorError
+from ..errors import AmpDoctorError, ModelRaised
 from ..records import LOSS, StepRecord
 from ..report import Report
 from .readback import MicroBatch, weight_versions
@@ -34,6 +39,9 @@ T = TypeVar("T")
 MAX_REPLAYS_PER_CAPTURE = 4
 # A replay never runs below this scale (GradScaler's scale can underflow towards 0 in a persistent failure).
 MIN_REPLAY_SCALE = 2.0**-24
+# A replayed loss matches the step's recorded loss within this relative tolerance (the replay is the same
+# computation on the same inputs, weights and random draws; only a nondeterministic kernel moves it).
+LOSS_MATCH_RTOL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class StepReplayer:
     low: torch.dtype
     device_type: str
     loss_fn: Optional[LossFn]
+    notes: tuple[str, ...] = ()  # said in every capture's report (a compiled model replayed eagerly, FSDP, ...)
 
 
 def with_rng(rng: RngState, run: Callable[[], T]) -> T:
@@ -89,9 +98,24 @@ def capture(
 
 
 def replay_micro(replayer: StepReplayer, m: MicroBatch, scale: float, step: int) -> Report:
-    """``diagnose`` on a kept forward's inputs, with every random stream as it was before that forward."""
+    """``diagnose`` on a kept forward's inputs, with every random stream as it was before that forward.
+
+    A ``loss_fn`` that raises on the replayed batch when the recorded gradient cannot stand in for it (the
+    gradient was already non-finite) costs the loss replay, not the capture: it runs again without it."""
+    try:
+        return _replay(replayer, m, scale, step, replayer.loss_fn)
+    except ModelRaised as exc:
+        if replayer.loss_fn is None or exc.stage != "loss" or m.output_grads() is None:
+            raise
+        report = _replay(replayer, m, scale, step, None)
+        return add_notes(report, [f"loss_fn raised on the replayed batch ({exc.__cause__ or exc}): the capture "
+                                  "replayed the step through its recorded output gradient instead"])
+
+
+def _replay(replayer: StepReplayer, m: MicroBatch, scale: float, step: int, loss_fn: Optional[LossFn]) -> Report:
     batch = as_batch(replayer.root, m.args, m.kwargs)
-    loss_fn, backward, notes, bad_grad = capture_loss(replayer.loss_fn, m, scale)
+    loss, backward, notes, bad_grad = capture_loss(loss_fn, m, scale)
+    notes += replayer.notes
     if weight_versions(replayer.root) != m.weight_versions:
         notes.append(
             "the weights changed between the failing forward and this capture (the optimizer stepped on the "
@@ -102,7 +126,7 @@ def replay_micro(replayer: StepReplayer, m: MicroBatch, scale: float, step: int)
         notes.append("the batch tensors were modified in place after the forward; the capture replayed their "
                      "current contents")
     report = with_rng(m.rng, lambda: diagnose(
-        replayer.root, batch, loss_fn=loss_fn, dtype=replayer.low, device_type=replayer.device_type,
+        replayer.root, batch, loss_fn=loss, dtype=replayer.low, device_type=replayer.device_type,
         scale=max(scale, MIN_REPLAY_SCALE), backward=backward,
     ))
     if bad_grad is not None:
@@ -114,24 +138,96 @@ def replay_micro(replayer: StepReplayer, m: MicroBatch, scale: float, step: int)
 def capture_loss(
     loss_fn: Optional[LossFn], m: MicroBatch, scale: float
 ) -> tuple[Optional[LossFn], bool, list[str], Optional[tuple[str, torch.Tensor]]]:
-    """The loss a capture back-propagates: the user's, the output's own, or the real one replayed through
-    the kept gradient w.r.t. the outputs. Returns (loss_fn, backward, notes, non-finite output gradient)."""
-    if loss_fn is not None:
-        return bind_loss(loss_fn, m.targets), True, [], None
-    if m.own_loss or not m.expected_grads:
-        return None, True, [], None
+    """The loss a capture back-propagates: the user's (checked, with the recorded gradient as its fallback), the
+    output's own, or the real one replayed through the kept gradient w.r.t. the outputs.
+
+    Returns (loss_fn, backward, notes, non-finite output gradient); the notes list also receives what a
+    :class:`CheckedLoss` decides while ``diagnose`` runs."""
+    notes: list[str] = []
     grads = m.output_grads()
+    bad = next(((path, g) for path, g in (grads or {}).items() if not bool(torch.isfinite(g).all())), None)
+    recorded = output_grad_loss(grads, scale, m.loss_value) if grads is not None and bad is None else None
+    if loss_fn is not None:
+        return CheckedLoss(with_targets(loss_fn, m.targets), m.loss_value, recorded, notes), True, notes, None
+    if m.own_loss or not m.expected_grads:
+        return None, True, notes, None
     if grads is None:
-        return None, True, [
-            "the gradient w.r.t. the model's output was not kept (too large, or never computed): the capture's "
-            "backward used a surrogate loss; pass loss_fn= to watch for the real gradients"
-        ], None
-    for path, g in grads.items():
-        if not bool(torch.isfinite(g).all()):
-            return None, False, [], (path, g)
-    notes = ["no loss_fn given: the capture replayed the loss through its recorded gradient w.r.t. the model's "
-             "output"]
-    return output_grad_loss(grads, scale, m.loss_value), True, notes, None
+        return None, True, [not_kept_note(m)], None
+    if bad is not None:
+        return None, False, notes, bad
+    notes.append("the capture replayed the step's backward from the gradient its loss sent into the model's "
+                 "output (pass loss_fn= to watch to replay the loss itself too)")
+    return recorded, True, notes, None
+
+
+def not_kept_note(m: MicroBatch) -> str:
+    """Why the capture's backward used a surrogate loss: what was not kept of the output gradient."""
+    if m.not_kept:
+        sizes = ", ".join(f"{path} ({n / 2**20:.1f} MiB)" for path, n in m.not_kept.items())
+        why = f"over the size cap of the step ({sizes}; watch(..., max_output_grad_bytes=) raises it)"
+    else:
+        why = "it never arrived before scaler.update (the output did not reach the loss's backward)"
+    return (f"the gradient w.r.t. the model's output was not kept: {why}; the capture's backward used a "
+            "surrogate loss; pass loss_fn= to watch to replay the real loss")
+
+
+def _matches(value: float, recorded: Optional[float]) -> bool:
+    if recorded is None:
+        return True
+    if not (math.isfinite(value) and math.isfinite(recorded)):
+        return math.isfinite(value) == math.isfinite(recorded)
+    return abs(value - recorded) <= LOSS_MATCH_RTOL * max(abs(value), abs(recorded), 1e-30)
+
+
+class CheckedLoss:
+    """The user's ``loss_fn`` in a capture, decided once at its first call (the survey, which replays the failing
+    forward exactly): kept when it runs and gives the step's recorded loss; else the recorded gradient stands in
+    for it (when there is one) and a note says why."""
+
+    def __init__(
+        self, loss_fn: LossFn, recorded: Optional[float], fallback: Optional[LossFn], notes: list[str]
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.recorded = recorded
+        self.fallback = fallback
+        self.notes = notes
+        self.use_fallback: Optional[bool] = None
+
+    def __call__(self, output: Any, batch: Any) -> torch.Tensor:
+        if self.use_fallback is None:
+            return self._decide(output, batch)
+        if self.use_fallback and self.fallback is not None:
+            return self.fallback(output, batch)
+        return self.loss_fn(output, batch)
+
+    def _decide(self, output: Any, batch: Any) -> torch.Tensor:
+        try:
+            loss = self.loss_fn(output, batch)
+        except Exception as exc:
+            if self.fallback is None:
+                raise
+            self.notes.append(
+                f"loss_fn raised on the replayed batch ({type(exc).__name__}: {exc}; without doctor.set_targets it "
+                "gets the batch as its second argument): the capture replayed the gradient the step's loss sent "
+                "into the model's output instead"
+            )
+            return self._fall_back(output, batch)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and self.fallback is not None:
+            value = float(loss.detach().reshape(-1)[0])
+            if not _matches(value, self.recorded):
+                self.notes.append(
+                    f"loss_fn on the replayed batch gave {value:.6g} where the step's loss (seen by scaler.scale) was "
+                    f"{self.recorded:.6g} (without doctor.set_targets it gets the batch as its second argument): the "
+                    "capture replayed the gradient the step's loss sent into the model's output instead"
+                )
+                return self._fall_back(output, batch)
+        self.use_fallback = False
+        return loss
+
+    def _fall_back(self, output: Any, batch: Any) -> torch.Tensor:
+        self.use_fallback = True
+        assert self.fallback is not None
+        return self.fallback(output, batch)
 
 
 def as_batch(model: nn.Module, args: Any, kwargs: Mapping[str, Any]) -> Any:
@@ -161,14 +257,18 @@ def as_batch(model: nn.Module, args: Any, kwargs: Mapping[str, Any]) -> Any:
 
 def bind_loss(loss_fn: Optional[LossFn], targets: Any) -> Optional[LossFn]:
     """``loss_fn(output, targets)`` when targets were handed over, else ``loss_fn(output, batch)``."""
-    if loss_fn is None or targets is None:
+    return None if loss_fn is None else with_targets(loss_fn, targets)
+
+
+def with_targets(loss_fn: LossFn, targets: Any) -> LossFn:
+    """``loss_fn(output, targets)`` when targets were handed over, else ``loss_fn`` itself."""
+    if targets is None:
         return loss_fn
-    bound: LossFn = loss_fn
 
-    def with_targets(output: Any, batch: Any) -> torch.Tensor:
-        return bound(output, targets)
+    def bound(output: Any, batch: Any) -> torch.Tensor:
+        return loss_fn(output, targets)
 
-    return with_targets
+    return bound
 
 
 def has_own_loss(output: Any) -> bool:

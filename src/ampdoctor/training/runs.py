@@ -3,9 +3,12 @@
 A *bad* step is a skipped one (GradScaler found inf/NaN) or one whose forward was non-finite. Consecutive bad
 steps form a run (ARCHITECTURE.md §2):
 
-* **persistent** as soon as one of its steps has a non-finite forward, or a skip takes the scale below 1
-  (the gradients are non-finite even unscaled);
-* **harmless** when a good step ends it first (GradScaler did its job: it backed off and training went on);
+* **persistent** as soon as one of its steps has a non-finite forward, a skip takes the scale below 1 (the
+  gradients are non-finite even unscaled), or a divergence led into it (:mod:`.divergence`: the loss left its
+  range, or a layer's weights or activations grew fast, shortly before; GradScaler backing off fixes none of
+  these);
+* **harmless** when it *recovered* — a good step (not skipped, finite forward, at a scale >= 1) ended it — and
+  the loss stayed *in range* throughout, that good step included (GradScaler did its job);
 * **open** while neither happened yet.
 
 :class:`RunTracker` folds a stream of :class:`~ampdoctor.records.StepRecord` into runs and says which steps a
@@ -16,12 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from ..analysis import ScaleFinding, ScaleProbe
+from ..analysis import Divergence, ScaleFinding, ScaleProbe
 from ..records import RunStatus, StepRecord
+from .divergence import (
+    GROWTH_WINDOW_STEPS,
+    LOOKBACK_STEPS,
+    LOSS_MEDIAN_STEPS,
+    detect,
+    has_values,
+    loss_limit,
+    out_of_range,
+    summary,
+)
 
 HARMLESS: RunStatus = "harmless"
 PERSISTENT: RunStatus = "persistent"
@@ -29,6 +43,9 @@ OPEN: RunStatus = "open"
 
 # Runs of bad steps remembered (the first persistent one is always kept).
 MAX_RUNS_KEPT = 1000
+# Samples (steps with weight norms or activations) and loss jumps remembered for divergence detection.
+MAX_SAMPLES_KEPT = 64
+MAX_JUMPS_KEPT = 16
 
 # Gravity of a run's status: with several ranks a step gets the gravest verdict any rank gave it.
 SEVERITY: dict[RunStatus, int] = {HARMLESS: 0, OPEN: 1, PERSISTENT: 2}
@@ -50,6 +67,7 @@ class Run:
     skips: int = 0  # skipped steps in the run (a non-finite forward without a skip counts as bad, not skipped)
     capture_step: Optional[int] = None  # the step whose capture explains the run so far
     harmless_scale: Optional[float] = None  # the scale of the good step that ended a harmless run
+    divergence: Optional[Divergence] = None  # the divergence that led into it (then it is persistent)
 
 
 @dataclass(frozen=True)
@@ -75,12 +93,15 @@ def persistent_reason(step: StepRecord) -> str:
 
 
 class RunTracker:
-    """Folds steps, in order, into runs of bad steps."""
+    """Folds steps, in order, into runs of bad steps (and remembers what divergence detection needs)."""
 
     def __init__(self, max_kept: int = MAX_RUNS_KEPT) -> None:
         self._runs: list[Run] = []
         self._open = False  # the last run in ``_runs`` is still going
         self._max_kept = max(2, max_kept)
+        self._history: deque[StepRecord] = deque(maxlen=LOSS_MEDIAN_STEPS + LOOKBACK_STEPS + 1)
+        self._samples: deque[StepRecord] = deque(maxlen=MAX_SAMPLES_KEPT)
+        self._jumps: deque[tuple[int, float, float]] = deque(maxlen=MAX_JUMPS_KEPT)  # (step, loss, median)
 
     @property
     def runs(self) -> tuple[Run, ...]:
@@ -90,14 +111,37 @@ class RunTracker:
     def open_run(self) -> Optional[Run]:
         return self._runs[-1] if self._open else None
 
+    @property
+    def last_jump(self) -> Optional[int]:
+        """The last step whose loss left its range."""
+        return self._jumps[-1][0] if self._jumps else None
+
+    def _remember(self, step: StepRecord) -> None:
+        limit = loss_limit(list(self._history))
+        if out_of_range(step.loss, limit) and limit is not None and step.loss is not None:
+            self._jumps.append((step.step, step.loss, limit[0]))
+        self._history.append(step)
+        if has_values(step):
+            self._samples.append(step)
+        while self._samples and self._samples[0].step < step.step - GROWTH_WINDOW_STEPS - LOOKBACK_STEPS:
+            self._samples.popleft()
+
+    def _divergence(self, run: Run, step: StepRecord) -> Optional[Divergence]:
+        return detect(list(self._history), list(self._samples), list(self._jumps), run.start, step)
+
     def observe(self, step: StepRecord) -> Observed:
+        self._remember(step)
         if not is_bad(step):
             if not self._open:
                 return Observed(None)
             run = self._runs[-1]
             ended = dataclasses.replace(run, end=step.step - 1)
-            if run.status == OPEN:  # a good step (finite forward, scale >= 1: else it would be persistent)
-                ended = dataclasses.replace(ended, status=HARMLESS, harmless_scale=step.scale)
+            if run.status == OPEN:  # recovered (finite forward, scale >= 1: else it would be persistent) ...
+                diverged = self._divergence(run, step)  # ... with the loss in range throughout?
+                if diverged is not None:
+                    ended = _diverged(ended, step.step, diverged)
+                else:
+                    ended = dataclasses.replace(ended, status=HARMLESS, harmless_scale=step.scale)
             self._runs[-1] = ended
             self._open = False
             return Observed(None, ended=ended)
@@ -109,10 +153,16 @@ class RunTracker:
             self._open = True
             capture = "run_start"
         run = dataclasses.replace(self._runs[-1], skips=self._runs[-1].skips + int(step.skipped))
-        reason = persistent_reason(step) if run.status != PERSISTENT else ""
-        if reason:
-            run = dataclasses.replace(run, status=PERSISTENT, persistent_step=step.step, reason=reason)
-            capture = "persistent"
+        if run.status != PERSISTENT:
+            diverged = self._divergence(run, step)
+            reason = persistent_reason(step)
+            if reason:
+                run = dataclasses.replace(run, status=PERSISTENT, persistent_step=step.step, reason=reason,
+                                          divergence=diverged)
+                capture = "persistent"
+            elif diverged is not None:
+                run = _diverged(run, step.step, diverged)
+                capture = "persistent"
         self._runs[-1] = run
         return Observed(run, capture)
 
@@ -122,6 +172,12 @@ class RunTracker:
             raise ValueError("no open run")
         self._runs[-1] = dataclasses.replace(self._runs[-1], capture_step=step)
         return self._runs[-1]
+
+
+def _diverged(run: Run, step: int, divergence: Divergence) -> Run:
+    return dataclasses.replace(
+        run, status=PERSISTENT, persistent_step=step, reason=summary(divergence), divergence=divergence
+    )
 
 
 def track(steps: Iterable[StepRecord]) -> tuple[Run, ...]:

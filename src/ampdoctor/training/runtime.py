@@ -1,67 +1,72 @@
 """Training-time watch: ``ampdoctor.watch(model, scaler)`` around an unchanged autocast + GradScaler loop.
 
->>> with ampdoctor.watch(model, scaler, loss_fn=lambda out, targets: criterion(out, targets)) as doctor:
-...     for inputs, targets in loader:
-...         doctor.set_targets(targets)                 # optional: what loss_fn gets in a replay
+>>> with ampdoctor.watch(model, scaler) as doctor:
+...     for inputs, targets in loader:                  # your loop, unchanged: no extra line
 ...         with torch.autocast("cuda"):
 ...             loss = criterion(model(inputs), targets)
 ...         scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()
 >>> report = doctor.report()        # same Report type as ampdoctor.diagnose, plus report.steps
 
-This module is the runtime: hooks, the wrapped scaler methods, step boundaries (ARCHITECTURE.md §1). Next to
-it: ``readback`` (what a step keeps, its one read-back into a record), ``runs`` (harmless / persistent runs of
-skipped steps, pure), ``failures`` (captures and the bundle for each finished step), ``replay_step`` (a capture:
-``diagnose`` of the failing forward), ``bundle`` and ``replay`` (failure bundles), ``compose`` (per-rank
-payloads -> Report).
+This module is the runtime: the watch's lifecycle, the scaler's step boundaries and what happens at each
+(ARCHITECTURE.md §1). Next to it: ``hooks`` (the hooks on the model), ``taps`` (the shared wrappers of the
+scaler's methods), ``quiet`` (ampdoctor's own passes are never training), ``readback`` (what a step keeps, its one
+read-back into a record), ``runs`` and ``divergence`` (harmless / persistent / diverged runs, pure),
+``failures`` (captures, the bundle and the log line for each finished step), ``replay_step`` (a capture:
+``diagnose`` of the failing forward), ``compiled`` (torch.compile), ``sharded`` (FSDP), ``bundle`` and ``replay``
+(failure bundles), ``compose`` (per-rank payloads -> Report).
 
-* **Step boundaries** come from ``scaler.update``, which the watch wraps (an instance attribute; put back on
-  exit, also after an exception); ``scaler.scale`` is wrapped too, to see the loss. Nothing of the scaler's
-  behaviour changes.
+* **Step boundaries** come from ``scaler.update`` (``doctor.step()`` without a scaler); ``scaler.scale`` shows
+  the loss. Both are wrapped by shared taps (put back on exit, in any order, also after an exception).
 * **Every step** (cheap): the root module's inputs (by reference, for a replay), every RNG stream before each
-  forward (:class:`RngState`: torch CPU and CUDA, Python, numpy), the loss, the root outputs' min/max, the scale
-  before and after ``update`` and GradScaler's found-inf flags: on the device, read back once in ``update``
-  (which already synchronises through ``scaler.step``).
-* **Sampled steps** (every ``stats_every``): forward hooks on every module and gradient hooks on what they return
-  (on a view's base, never a module-level backward hook), installed only for those steps.
+  forward, the loss, the root outputs' min/max, the gradient the loss sent into the outputs (until the step
+  ends, up to ``max_output_grad_bytes``), the scale before and after ``update`` and GradScaler's found-inf flags:
+  on the device, read back once in ``update`` (which already synchronises through ``scaler.step``).
+* **Sampled steps** (every ``stats_every``, and every step for a while after the loss left its range): per-module
+  output and gradient statistics, and each module's weight norm.
 * **DDP**: names come from the wrapped ``.module``; each rank records on its own (no collective per step);
-  ``report()`` gathers the ranks once (``all_gather_object``: every rank must call it).
+  ``report()`` gathers the ranks once (``all_gather_object``: every rank must call it). **FSDP2**: one small
+  all-reduce per step decides whether the ranks gather the full model for a capture (:mod:`.sharded`).
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 from collections import deque
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ..capture.dtypes import autocast_dtype
-from ..capture.hooks import register_grad_hook
+from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import unwrap_model
 from ..capture.stats import format_limits
-from ..capture.walk import iter_tensors
 from ..errors import AmpDoctorError
-from ..records import ModuleInfo, StepRecord
+from ..records import FrozenMap, ModuleInfo, StepRecord
 from ..report import Report
+from . import sharded
 from .bundle import PathLike
+from .compiled import COMPILED_NOTE, NO_STATS_NOTE, eager_calls
 from .compose import RankPayload, compose_report, trends
-from .failures import FailureTracker
-from .readback import MicroBatch, StepState, detach_tree, found_inf_flags, loss_value, scale_value
-from .replay_step import LossFn, StepReplayer, has_own_loss
+from .failures import FailureTracker, Plan
+from .hooks import MAX_MICRO_BATCHES, WatchHooks
+from .quiet import own_capture
+from .readback import Decoded, Extra, StepState, detach_tree, found_inf_flags, loss_value, scale_value
+from .replay_step import LossFn, StepReplayer
+from .runs import is_bad
+from .taps import Tap, join
 
 # Per-module statistics every this many steps by default (every skipped step is captured regardless).
 DEFAULT_STATS_EVERY = 50
+# After a loss leaves its range, this many further steps are sampled (to see what grows during a divergence).
+DENSE_STEPS_AFTER_JUMP = 10
 # Steps kept in the ring buffer.
 DEFAULT_HISTORY = 2048
 # Full captures (a diagnose on the failing inputs) per kind: runs of skipped steps, and persistent failures.
 DEFAULT_MAX_CAPTURES = 8
-# Root forwards kept per step for a replay (gradient accumulation); beyond this the oldest are dropped.
-MAX_MICRO_BATCHES = 64
-# Without loss_fn, the gradient of the loss w.r.t. the root outputs is kept per step (to replay the real backward
-# in a capture) while it takes at most this many bytes; beyond, a capture falls back to a surrogate loss.
+# The gradient of the loss w.r.t. the root outputs is kept per step (to replay the step's own backward in a
+# capture) while it takes at most this many bytes; beyond, the capture says what was not kept.
 MAX_KEPT_OUTPUT_GRAD_BYTES = 256 * 2**20
 # Hook errors and notes kept for the report (a broken hook fires every step: its first errors say enough).
 ERRORS_KEPT = 5
@@ -91,6 +96,7 @@ class Watch:
         max_captures: int = DEFAULT_MAX_CAPTURES,
         bundle_dir: Optional[PathLike] = None,
         save_bundle: bool = True,
+        max_output_grad_bytes: int = MAX_KEPT_OUTPUT_GRAD_BYTES,
     ) -> None:
         if dtype not in (None, torch.float16, torch.bfloat16):
             raise AmpDoctorError(f"dtype must be torch.float16, torch.bfloat16 or None, got {dtype}")
@@ -106,26 +112,32 @@ class Watch:
         self.loss_fn = loss_fn
         self.stats_every = max(0, int(stats_every))
         self.max_captures = max(0, int(max_captures))
-        self._low: Optional[torch.dtype] = dtype
-        param = next(self.root.parameters(), None)
-        self.device_type = param.device.type if param is not None else "cpu"
-        self.rank, self.world_size = _rank_and_world()
-        self._names = {id(m): name for name, m in self.root.named_modules()}
-        self._steps: deque[StepRecord] = deque(maxlen=history)
-        self._step = 0
-        self._errors: list[str] = []
-        self._notes: list[str] = [
+        self.max_output_grad_bytes = max(0, int(max_output_grad_bytes))
+        self.sharding = sharded.describe(self.root)
+        self.low: Optional[torch.dtype] = dtype
+        notes = [
             f"{type(model).__name__} wrapper peeled: module names are those of the wrapped model; a capture re-runs "
             "it on its own rank, outside the wrapper"
         ] if wrappers else []
-        self._busy = False  # a capture is replaying: the watch's own hooks stay quiet
-        self._active = False
-        self._root_handles: list[Any] = []
-        self._module_handles: list[Any] = []
-        self._patched: list[tuple[str, bool, Any]] = []
-        self._targets: Any = None
-        self._grads_on = False
-        self._cur = StepState()
+        if dtype is None and self.sharding.param_dtype in LOW_DTYPES:
+            self.low = self.sharding.param_dtype  # FSDP2's MixedPrecisionPolicy: low precision without autocast
+            notes.append(f"the model runs in {self.low} through FSDP's MixedPrecisionPolicy(param_dtype=...)")
+        if self.sharding.kind == "fsdp1":
+            notes.append(sharded.FSDP1_NOTE)
+        param = next(self.root.parameters(), None)
+        self.device_type = param.device.type if param is not None else "cpu"
+        self.rank, self.world_size = _rank_and_world()
+        self.names = {id(m): name for name, m in self.root.named_modules()}
+        self._steps: deque[StepRecord] = deque(maxlen=history)
+        self._step = 0
+        self._dense_until = -1
+        self._errors: list[str] = []
+        self._notes: list[str] = notes
+        self.active = False
+        self.targets: Any = None
+        self.cur = StepState()
+        self.hooks = WatchHooks(self)
+        self._taps: list[Tap] = []
         self._failures = FailureTracker(
             self.root, max_captures=self.max_captures, save_bundle=save_bundle, bundle_dir=bundle_dir,
             rank=self.rank, world_size=self.world_size, scaler=scaler, note=self._note,
@@ -146,53 +158,40 @@ class Watch:
         self.close()
 
     def start(self) -> Watch:
-        """Install the root hooks and wrap the scaler (``__enter__`` does this)."""
-        if self._active:
+        """Install the root hooks and tap the scaler (``__enter__`` does this)."""
+        if self.active:
             return self
-        self._active = True
+        self.active = True
         try:
-            self._root_handles.append(self.root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-            self._root_handles.append(self.root.register_forward_hook(self._root_post, with_kwargs=True))
+            self.hooks.install()
             if self.scaler is not None:
-                self._patch("scale", self._wrap_scale(self.scaler.scale))
-                self._patch("update", self._wrap_update(self.scaler.update))
-            self._sample_hooks(self._sampled(self._step))
+                self._taps = [join(self.scaler, "scale", self), join(self.scaler, "update", self)]
+            self.hooks.sample(self._sampled(self._step))
         except BaseException:
             self.close()
             raise
         return self
 
     def close(self) -> None:
-        """Remove every hook and put the scaler's methods back; the records stay (``__exit__`` does this)."""
-        self._cur.remove_hooks()
-        for handle in itertools.chain(self._module_handles, self._root_handles):
-            handle.remove()
-        self._module_handles.clear()
-        self._root_handles.clear()
-        for name, had_own, original in reversed(self._patched):
-            if had_own:
-                setattr(self.scaler, name, original)
-            else:
-                self.scaler.__dict__.pop(name, None)
-        self._patched.clear()
-        self._cur = StepState()  # no reference to the user's inputs (or targets) after the block
-        self._targets = None
-        self._grads_on = False
-        self._active = False
-
-    def _patch(self, name: str, wrapper: Callable[..., Any]) -> None:
-        had_own = name in self.scaler.__dict__
-        self._patched.append((name, had_own, self.scaler.__dict__.get(name)))
-        setattr(self.scaler, name, wrapper)
+        """Remove every hook and leave the scaler's taps; the records stay (``__exit__`` does this)."""
+        self.cur.remove_hooks()
+        self.hooks.remove()
+        for tap in self._taps:
+            tap.leave(self)
+        self._taps.clear()
+        self.cur = StepState()  # no reference to the user's inputs (or targets) after the block
+        self.targets = None
+        self.active = False
 
     # -- public verbs ----------------------------------------------------------------------------------------
     def set_targets(self, targets: Any) -> None:
-        """Targets of the current batch (call it before ``scaler.scale(loss)``): a capture and a replay call
-        ``loss_fn(output, targets)`` with them (without targets, ``loss_fn(output, batch)``)."""
-        self._targets = detach_tree(targets)
-        micro = self._cur.micro
+        """Optional: targets of the current batch (call it before ``scaler.scale(loss)``), for a ``loss_fn`` given
+        to the watch: a capture then calls ``loss_fn(output, targets)`` (without them, ``loss_fn(output, batch)``,
+        checked against the step's recorded loss)."""
+        self.targets = detach_tree(targets)
+        micro = self.cur.micro
         if micro and micro[-1].loss_slot is None:  # between its forward and scaler.scale(loss)
-            micro[-1].targets = self._targets
+            micro[-1].targets = self.targets
 
     def step(self) -> None:
         """Close a step by hand, for loops without a GradScaler (bfloat16): after the backward, before
@@ -207,15 +206,16 @@ class Watch:
 
     def headroom_trends(self) -> dict[str, list[tuple[int, float]]]:
         """Per module, ``(step, headroom bits)`` of its low-precision outputs on each sampled step kept."""
-        return trends(list(self._steps), format_limits(self._low or torch.float16).max)
+        return trends(list(self._steps), format_limits(self.low or torch.float16).max)
 
     def report(self, merge: Optional[bool] = None) -> Report:
         """The Report of the run so far (same type as ``diagnose``), with ``.steps``.
 
         ``verdict``/``forward_origin``/``backward_origin`` describe the first persistent failure;
-        ``"scale_overflow"`` when only harmless (or still open) runs of skipped steps happened. In a distributed
-        run (``merge=None`` and a process group of more than one rank) this gathers every rank's records once:
-        every rank must call it.
+        ``"scale_overflow"`` when only harmless (or still open) runs of skipped steps happened;
+        ``findings.divergence`` when a divergence led into a run of skipped steps. In a distributed run
+        (``merge=None`` and a process group of more than one rank) this gathers every rank's records once: every
+        rank must call it.
         """
         payload = self._payload()
         rank, world = _rank_and_world()
@@ -228,194 +228,157 @@ class Watch:
             payloads = [p for p in gathered if p is not None]
         return compose_report(payloads, rank)
 
-    # -- hooks: root ----------------------------------------------------------------------------------------
-    def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._busy or not torch.is_grad_enabled():  # an evaluation forward is no training step
+    # -- the scaler's taps (taps.ScaleListener, taps.UpdateListener) ---------------------------------------
+    def scaled(self, outputs: Any) -> None:
+        if not self.active:
             return
         try:
-            if self._low is None:
-                self._low = autocast_dtype(self.device_type)
-            micro = MicroBatch.keep(module, args, kwargs, self._targets)
-            cur = self._cur
-            if len(cur.micro) >= MAX_MICRO_BATCHES:
-                cur.micro.popleft()
-                cur.dropped_micro += 1
-            cur.micro.append(micro)
-            cur.forwards += 1
-        except Exception as exc:  # never raise inside the user's forward
-            self._fail(exc)
-
-    def _root_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self._busy or not torch.is_grad_enabled() or not self._cur.micro:
-            return
-        try:
-            micro = self._cur.micro[-1]
-            micro.own_loss = has_own_loss(output)
-            keep = self.loss_fn is None and not micro.own_loss
-            for path, t in iter_tensors(output, "out"):
-                if not t.is_floating_point() or t.numel() == 0:
-                    continue
-                micro.root_slots.append(self._cur.collector.pair("root", "", t.detach(), t.dtype == self._low))
-                if t.requires_grad:
-                    if self._grads_on:
-                        self._grad_hook(t, "")
-                    if keep:
-                        self._keep_grad(micro, path, t)
-        except Exception as exc:
-            self._fail(exc)
-
-    def _keep_grad(self, micro: MicroBatch, path: str, t: torch.Tensor) -> None:
-        """Keep the gradient reaching this output (the real loss's, scaled) until the step ends."""
-        micro.expected_grads.add(path)
-        nbytes = t.numel() * t.element_size()
-        if self._cur.kept_bytes + nbytes > MAX_KEPT_OUTPUT_GRAD_BYTES:
-            return  # expected, never kept: the capture falls back to a surrogate
-        self._cur.kept_bytes += nbytes
-
-        def receive(g: torch.Tensor) -> None:
-            if not self._busy:
-                micro.out_grads[path] = g.detach()
-
-        self._cur.tensor_handles.append(register_grad_hook(t, receive)[0])
-
-    # -- hooks: sampled steps -------------------------------------------------------------------------------
-    def _module_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._busy:
-            return
-        try:
-            name = self._names.get(id(module), "")
-            if not name:
-                return  # the root: recorded by _root_post
-            tensors: Any = ((None, output),) if isinstance(output, torch.Tensor) else iter_tensors(output, "out")
-            for _, t in tensors:
-                if not t.is_floating_point() or t.numel() == 0:
-                    continue
-                self._cur.collector.pair("out", name, t.detach(), t.dtype == self._low)
-                if t.requires_grad and self._grads_on:
-                    self._grad_hook(t, name)
-        except Exception as exc:
-            self._fail(exc)
-
-    def _grad_hook(self, t: torch.Tensor, name: str) -> None:
-        low = t.dtype == self._low
-        step = self._cur
-
-        def receive(g: torch.Tensor) -> None:
-            if self._busy or step is not self._cur:  # a capture's backward, or a late backward of a closed step
+            value = loss_value(outputs)
+            if value is None:
                 return
-            try:
-                if g.numel():
-                    step.collector.pair("grad", name, g.detach(), low)
-            except Exception as exc:
-                self._fail(exc)
+            cur = self.cur
+            slot = cur.collector.add(value)
+            if cur.micro:
+                micro = cur.micro[-1]
+                micro.loss_slot = slot
+                if self.targets is not None:
+                    micro.targets = self.targets
+            else:
+                cur.orphan_losses.append(slot)
+            self.targets = None  # targets belong to one micro-batch
+        except Exception as exc:
+            self.fail(exc)
 
-        step.tensor_handles.append(register_grad_hook(t, receive)[0])
+    def before_update(self) -> tuple[Any, list[torch.Tensor]]:
+        if not self.active:
+            return None, []
+        try:
+            return scale_value(self.scaler), found_inf_flags(self.scaler)
+        except Exception as exc:
+            self.fail(exc)
+            return None, []
 
-    def _sampled(self, step: int) -> bool:
-        return self.stats_every > 0 and step % self.stats_every == 0
-
-    def _sample_hooks(self, on: bool) -> None:
-        """Module hooks only while a sampled step runs; an unsampled step runs the model's fast path."""
-        self._grads_on = on
-        if on and not self._module_handles:
-            for module in self.root.modules():
-                if module is not self.root:
-                    self._module_handles.append(module.register_forward_hook(self._module_post))
-        elif not on and self._module_handles:
-            for handle in self._module_handles:
-                handle.remove()
-            self._module_handles.clear()
-
-    # -- the scaler -----------------------------------------------------------------------------------------
-    def _wrap_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def scale(outputs: Any) -> Any:
-            result = original(outputs)
-            if self._active and not self._busy:
-                try:
-                    self._see_loss(outputs)
-                except Exception as exc:
-                    self._fail(exc)
-            return result
-
-        scale.__wrapped__ = original  # type: ignore[attr-defined]
-        return scale
-
-    def _see_loss(self, outputs: Any) -> None:
-        value = loss_value(outputs)
-        if value is None:
+    def after_update(self, before: tuple[Any, list[torch.Tensor]]) -> None:
+        if not self.active:
             return
-        cur = self._cur
-        slot = cur.collector.add(value)
-        if cur.micro:
-            micro = cur.micro[-1]
-            micro.loss_slot = slot
-            if self._targets is not None:
-                micro.targets = self._targets
-        else:
-            cur.orphan_losses.append(slot)
-        self._targets = None  # targets belong to one micro-batch
+        try:
+            after = scale_value(self.scaler)
+        except Exception as exc:
+            self.fail(exc)
+            after = None
+        self._end_step(before[0], after, before[1])
 
-    def _wrap_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def update(*args: Any, **kwargs: Any) -> Any:
-            before: Any = None
-            found: list[torch.Tensor] = []
-            if self._active:
-                try:
-                    before = scale_value(self.scaler)
-                    found = found_inf_flags(self.scaler)
-                except Exception as exc:
-                    self._fail(exc)
-            try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                self._drop_step()
-                raise
-            if self._active:
-                try:
-                    after = scale_value(self.scaler)
-                except Exception as exc:
-                    self._fail(exc)
-                    after = None
-                self._end_step(before, after, found)
-            return result
-
-        update.__wrapped__ = original  # type: ignore[attr-defined]
-        return update
+    def update_failed(self) -> None:
+        self._drop_step()
 
     # -- the step boundary ----------------------------------------------------------------------------------
+    def _sampled(self, step: int) -> bool:
+        return self.stats_every > 0 and (step % self.stats_every == 0 or step <= self._dense_until)
+
     def _drop_step(self) -> None:
         """Forget the current step (its ``update`` raised, or it was read): its hooks go, a new step starts."""
-        self._cur.remove_hooks()
-        self._cur = StepState()
+        self.cur.remove_hooks()
+        self.cur = StepState()
+        self.hooks.open = False
 
     def _end_step(self, before: Any, after: Any, found: list[torch.Tensor]) -> None:
         """One read-back, then the step's record, run bookkeeping, captures and the bundle. Never raises."""
-        step, cur = self._step, self._cur
-        sampled = bool(self._module_handles)
+        step, cur = self._step, self.cur
+        sampled = self.hooks.grads_on
         if cur.dropped_micro:
             self._note(f"step {step}: {cur.dropped_micro} early forward(s) of {cur.forwards} not kept for a replay "
                        f"(at most {MAX_MICRO_BATCHES} per step)")
         self._drop_step()  # the step's hooks go before a capture runs its own passes
+        plan: Optional[Plan] = None
+        bad_micro: list[bool] = []
         try:
-            record, bad_micro = cur.read(step, self.rank, sampled, before, after, found)
-            self._steps.append(self._track(record, list(cur.micro), bad_micro))
+            record, bad_micro = self._read(cur, step, sampled, before, after, found)
+            plan = self._failures.plan(record, list(cur.micro))
+            if self._failures.runs.last_jump == step:
+                self._dense_until = step + DENSE_STEPS_AFTER_JUMP
         except Exception as exc:
-            self._fail(exc)
+            self.fail(exc)
+        try:
+            done = self._act(plan, list(cur.micro), bad_micro)
+            if done is not None:
+                self._steps.append(done)
+        except Exception as exc:
+            self.fail(exc)
         finally:
             self._step += 1
             try:
-                self._sample_hooks(self._active and self._sampled(self._step))
+                self.hooks.sample(self.active and self._sampled(self._step))
             except Exception as exc:
-                self._fail(exc)
+                self.fail(exc)
 
-    def _track(self, record: StepRecord, micro: list[MicroBatch], bad_micro: list[bool]) -> StepRecord:
-        """Runs, captures and the bundle (:class:`FailureTracker`); the watch's hooks stay quiet meanwhile."""
-        replayer = StepReplayer(self.root, self._low or torch.float16, self.device_type, self.loss_fn)
-        self._busy = True
-        try:
-            return self._failures.track(record, micro, bad_micro, replayer, tuple(self._steps))
-        finally:
-            self._busy = False
+    def _read(
+        self, cur: StepState, step: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor]
+    ) -> tuple[StepRecord, list[bool]]:
+        extras = [self._weight_norms()] if sampled else []
+        compiled = self.hooks.compiled
+        if sampled and compiled is not None:
+            extras.append(compiled.extra())
+        record, bad_micro = cur.read(step, self.rank, sampled, before, after, found, extras)
+        if sampled and compiled is not None and not compiled.seen and cur.forwards:
+            self._note(NO_STATS_NOTE)
+        if is_bad(record) and self._failures.runs.open_run is None and not record.weight_norm:
+            weights = self._weight_norms()  # a run starts: the weights it started from (one more read-back)
+            record = dataclasses.replace(
+                record, weight_norm=FrozenMap(weights.decode(weights.tensor.tolist()).weight_norm)
+            )
+        return record, bad_micro
+
+    def _weight_norms(self) -> Extra:
+        """Each module's own parameters' L2 norm (this rank's shard of a sharded parameter), as one block."""
+        owners: list[str] = []
+        tensors: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for name, module in self.root.named_modules():
+            for p in module.parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    owners.append(name)
+                    tensors.append(sharded.local(p).detach())
+        norms = torch._foreach_norm(tensors) if tensors else []
+        block = torch.stack([n.float() for n in norms]) if norms else torch.zeros(0)
+
+        def decode(numbers: list[float]) -> Decoded:
+            squares: dict[str, float] = {}
+            for owner, value in zip(owners, numbers):
+                squares[owner] = squares.get(owner, 0.0) + value * value
+            return Decoded(weight_norm={k: v**0.5 for k, v in squares.items()})
+
+        return Extra(block, decode)
+
+    def _act(self, plan: Optional[Plan], micro: list[Any], bad_micro: list[bool]) -> Optional[StepRecord]:
+        """Run what the step's plan calls for (captures, the bundle), quietly: every watch ignores those passes.
+
+        Under FSDP2 the ranks first agree, every step, whether any of them wants a capture; if one does, all
+        gather the full model together."""
+        wants = plan is not None and plan.work
+        if self.sharding.kind == "fsdp2":
+            agreed = sharded.agree(wants, sharded.agreement_device(self.root)) if self.world_size > 1 else wants
+            if agreed is None:
+                self._note("the ranks did not agree on a capture in time: no capture on this rank from now on")
+                self._failures.max_captures = 0
+            if plan is None:
+                return None
+            if not agreed:
+                return self._failures.execute(plan, micro, bad_micro, None, tuple(self._steps))
+            with own_capture(), sharded.full_model(self.root):
+                return self._failures.execute(plan, micro, bad_micro, self._replayer(), tuple(self._steps))
+        if plan is None:
+            return None
+        if not plan.work or self.sharding.kind == "fsdp1":
+            return self._failures.execute(plan, micro, bad_micro, None, tuple(self._steps))
+        with own_capture(), eager_calls(self.root):
+            return self._failures.execute(plan, micro, bad_micro, self._replayer(), tuple(self._steps))
+
+    def _replayer(self) -> StepReplayer:
+        notes = [COMPILED_NOTE] if self.hooks.compiled is not None else []
+        if self.sharding.kind == "fsdp2":
+            notes.append(sharded.FSDP2_NOTE)
+        return StepReplayer(self.root, self.low or torch.float16, self.device_type, self.loss_fn, tuple(notes))
 
     # -- reporting ------------------------------------------------------------------------------------------
     def _payload(self) -> RankPayload:
@@ -434,17 +397,18 @@ class Watch:
             modules=tuple(ModuleInfo(name, type(m).__name__) for name, m in self.root.named_modules()),
             model_class=type(self.root).__name__,
             device_type=self.device_type,
-            dtype=self._low or (torch.float16 if scaler_on else torch.bfloat16),
+            dtype=self.low or (torch.float16 if scaler_on else torch.bfloat16),
             stats_every=self.stats_every,
             scale=self._steps[-1].new_scale if self._steps else None,
             total_steps=self._step,
         )
 
     def _note(self, text: str) -> None:
-        if len(self._notes) < NOTES_KEPT:
+        if len(self._notes) < NOTES_KEPT and text not in self._notes:
             self._notes.append(text)
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """A hook or a step boundary failed: a note in the report, never an exception in the training loop."""
         if len(self._errors) < ERRORS_KEPT:
             self._errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -460,6 +424,7 @@ def watch(
     max_captures: int = DEFAULT_MAX_CAPTURES,
     bundle_dir: Optional[PathLike] = None,
     save_bundle: bool = True,
+    max_output_grad_bytes: int = MAX_KEPT_OUTPUT_GRAD_BYTES,
 ) -> Watch:
     """Watch an unchanged autocast + GradScaler training loop; returns a started :class:`Watch`.
 
@@ -468,26 +433,36 @@ def watch(
     >>> print(doctor.report())
 
     Args:
-        model: the model as trained (a DDP or ``torch.compile`` wrapper is peeled for the names).
-        scaler: the loop's ``GradScaler``: each ``scaler.update()`` closes a step. Without one (bfloat16), call
-            ``doctor.step()`` after the backward and before ``optimizer.step()`` (a capture after the optimizer
-            applied non-finite gradients would replay the updated weights; the report says so when it happens).
-        loss_fn: ``loss_fn(output, batch)`` (or ``(output, targets)`` after ``doctor.set_targets``) for the
-            backward of a capture; without it, a scalar output, ``output.loss`` or a surrogate (as ``diagnose``).
-        dtype: the autocast dtype; default: what autocast uses at the first forward.
-        stats_every: per-module statistics (hooks on every module) every this many steps; 0 for never. Skipped
-            steps are captured whatever this is.
+        model: the model as trained (a DDP or ``torch.compile`` wrapper is peeled for the names; ``fully_shard``
+            and ``model.compile()`` work as they are).
+        scaler: the loop's ``GradScaler`` (or FSDP's ``ShardedGradScaler``): each ``scaler.update()`` closes a step.
+            Without one (bfloat16), call ``doctor.step()`` after the backward and before ``optimizer.step()`` (a
+            capture after the optimizer applied non-finite gradients would replay the updated weights; the report
+            says so when it happens).
+        loss_fn: optional. A capture replays the failing step's backward from the gradient the step's loss sent
+            into the model's outputs; with ``loss_fn(output, batch)`` (or ``(output, targets)`` after
+            ``doctor.set_targets``) it re-runs the loss too, and falls back to the recorded gradient when the
+            loss raises on the replayed batch or gives another value than the step's.
+        dtype: the autocast dtype; default: what autocast uses at the first forward (or FSDP2's ``param_dtype``).
+        stats_every: per-module statistics every this many steps (and every step for a while after the loss
+            left its range); 0 for never. Skipped steps are captured whatever this is.
         history: steps kept in the ring buffer.
         max_captures: full captures (a ``diagnose`` of the failing inputs) for runs of skipped steps, and as
             many again for persistent failures.
-        bundle_dir: where the failure bundle goes (default: the current directory).
+        bundle_dir: where the failure bundle goes (default: the current directory), named
+            ``ampdoctor-bundle-step<N>.pt`` (``-rank<R>`` added in a distributed run; ``-1``, ``-2`` ... rather
+            than write over a file).
         save_bundle: write a failure bundle on the first persistent failure.
+        max_output_grad_bytes: the output gradients kept per step for a capture (default 256 MiB); a larger
+            one is not kept, and a capture says so.
 
-    Each step reads its statistics back from the device once, in ``scaler.update``. Use it as a context
-    manager (or call ``close()``): the hooks and the wrapped scaler methods go away on exit, also after an
-    exception. ``report()`` works inside and after the block.
+    Each step reads its statistics back from the device once, in ``scaler.update``. A persistent failure, a
+    divergence and a written bundle each log one WARNING line on the ``ampdoctor`` logger. Use it as a context
+    manager (or call ``close()``): the hooks and the scaler's taps go away on exit, also after an exception.
+    ``report()`` works inside and after the block.
     """
     return Watch(
         model, scaler, loss_fn=loss_fn, dtype=dtype, stats_every=stats_every, history=history,
         max_captures=max_captures, bundle_dir=bundle_dir, save_bundle=save_bundle,
+        max_output_grad_bytes=max_output_grad_bytes,
     ).start()

@@ -1,0 +1,178 @@
+"""The watch's hooks on the model: the root's on every step, every module's on sampled steps.
+
+* **Root** (every step, cheap): the inputs (by reference, for a replay), every RNG stream before the forward, the
+  outputs' min/max, and the gradient the loss sends into each output (kept until the step ends, up to a size
+  cap, for a capture to replay the step's own backward). A compiled root is tapped outside its graph
+  (:class:`~.compiled.RootTap`).
+* **Modules** (sampled steps): forward hooks on every module and gradient hooks on what they return (on a view's
+  base, never a module-level backward hook), installed only for those steps. A compiled model gets
+  :class:`~.compiled.CompiledStats` instead: hooks registered once, gated by a flag.
+* **Never ampdoctor's own passes** (:mod:`.quiet`): a forward of a capture or of a user's ``diagnose`` is not a
+  training forward, and module hooks record only inside a watched root forward (or a checkpoint's recompute in
+  the training backward).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from ..capture.dtypes import autocast_dtype
+from ..capture.hooks import register_grad_hook
+from ..capture.walk import iter_tensors
+from .compiled import CompiledStats, RootTap, is_compiled
+from .quiet import diagnosing, recomputing
+from .readback import MicroBatch
+from .replay_step import has_own_loss
+
+if TYPE_CHECKING:
+    from .runtime import Watch
+
+# Root forwards kept per step for a replay (gradient accumulation); beyond this the oldest are dropped.
+MAX_MICRO_BATCHES = 64
+
+
+class WatchHooks:
+    """Installs and runs the watch's hooks; the records go into the watch's current step."""
+
+    def __init__(self, watch: Watch) -> None:
+        self.w = watch
+        self.root_tap: Optional[RootTap] = None
+        self.module_handles: list[Any] = []
+        self.compiled: Optional[CompiledStats] = None
+        self.open = False  # a watched root forward is running
+        self.grads_on = False  # this step is sampled: gradient hooks on module outputs
+
+    # -- installing -----------------------------------------------------------------------------------------
+    def install(self) -> None:
+        w = self.w
+        self.root_tap = RootTap(w.model, w.root, self.root_pre, self.root_post)
+        if is_compiled(w.model, w.root):
+            self.compiled = CompiledStats(w.root, w.names)
+
+    def sample(self, on: bool) -> None:
+        """Module statistics for the next step: eager hooks installed only for it (an unsampled step runs the
+        model's fast path); a compiled model's hooks stay, switched by their flag at each root forward."""
+        self.grads_on = on
+        if self.compiled is not None:
+            if on:
+                self.compiled.reset()
+            return
+        if on and not self.module_handles:
+            for module in self.w.root.modules():
+                if module is not self.w.root:
+                    self.module_handles.append(module.register_forward_hook(self.module_post))
+        elif not on and self.module_handles:
+            self.remove_modules()
+
+    def remove_modules(self) -> None:
+        for handle in self.module_handles:
+            handle.remove()
+        self.module_handles.clear()
+
+    def remove(self) -> None:
+        self.remove_modules()
+        if self.compiled is not None:
+            self.compiled.remove()
+            self.compiled = None
+        if self.root_tap is not None:
+            self.root_tap.remove()
+            self.root_tap = None
+        self.open = False
+
+    # -- the root -------------------------------------------------------------------------------------------
+    def root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        w = self.w
+        # an evaluation forward is no training step, and ampdoctor's own passes are not training at all
+        if not w.active or not torch.is_grad_enabled() or diagnosing():
+            return
+        try:
+            if w.low is None:
+                w.low = autocast_dtype(w.device_type)
+            micro = MicroBatch.keep(module, args, kwargs, w.targets)
+            cur = w.cur
+            if len(cur.micro) >= MAX_MICRO_BATCHES:
+                cur.micro.popleft()
+                cur.dropped_micro += 1
+            cur.micro.append(micro)
+            cur.forwards += 1
+            self.open = True
+            if self.compiled is not None:
+                self.compiled.on = self.grads_on
+        except Exception as exc:  # never raise inside the user's forward
+            w.fail(exc)
+
+    def root_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        w = self.w
+        if not self.open or not w.cur.micro:  # not a watched forward (evaluation, or ampdoctor's own pass)
+            return
+        self.open = False
+        if self.compiled is not None:
+            self.compiled.on = False
+        try:
+            micro = w.cur.micro[-1]
+            micro.own_loss = has_own_loss(output)
+            for path, t in iter_tensors(output, "out"):
+                if not t.is_floating_point() or t.numel() == 0:
+                    continue
+                micro.root_slots.append(w.cur.collector.pair("root", "", t.detach(), t.dtype == w.low))
+                if t.requires_grad:
+                    if self.grads_on:
+                        self.grad_hook(t, "")
+                    if not micro.own_loss:
+                        self.keep_grad(micro, path, t)
+        except Exception as exc:
+            w.fail(exc)
+
+    def keep_grad(self, micro: MicroBatch, path: str, t: torch.Tensor) -> None:
+        """Keep the gradient reaching this output (the real loss's, scaled) until the step ends, within the cap."""
+        micro.expected_grads.add(path)
+        nbytes = t.numel() * t.element_size()
+        cur = self.w.cur
+        if cur.kept_bytes + nbytes > self.w.max_output_grad_bytes:
+            micro.not_kept[path] = nbytes  # expected, never kept: the capture says so
+            return
+        cur.kept_bytes += nbytes
+
+        def receive(g: torch.Tensor) -> None:
+            micro.out_grads[path] = g.detach()
+
+        cur.tensor_handles.append(register_grad_hook(t, receive)[0])
+
+    # -- modules (eager, sampled steps) ---------------------------------------------------------------------
+    def module_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        w = self.w
+        # a watched training forward, or a checkpoint recomputing its region in the training backward
+        if not self.open and not (recomputing() and not diagnosing()):
+            return
+        try:
+            name = w.names.get(id(module), "")
+            if not name:
+                return  # the root: recorded by root_post
+            tensors: Any = ((None, output),) if isinstance(output, torch.Tensor) else iter_tensors(output, "out")
+            for _, t in tensors:
+                if not t.is_floating_point() or t.numel() == 0:
+                    continue
+                w.cur.collector.pair("out", name, t.detach(), t.dtype == w.low)
+                if t.requires_grad and self.grads_on:
+                    self.grad_hook(t, name)
+        except Exception as exc:
+            w.fail(exc)
+
+    def grad_hook(self, t: torch.Tensor, name: str) -> None:
+        w = self.w
+        low = t.dtype == w.low
+        step = w.cur
+
+        def receive(g: torch.Tensor) -> None:
+            if step is not w.cur:  # a late backward of a closed step
+                return
+            try:
+                if g.numel():
+                    step.collector.pair("grad", name, g.detach(), low)
+            except Exception as exc:
+                w.fail(exc)
+
+        step.tensor_handles.append(register_grad_hook(t, receive)[0])
