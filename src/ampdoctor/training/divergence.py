@@ -2,9 +2,10 @@
 
 The definitions, used by the run logic (:mod:`.runs`) and stated in the README:
 
-* a step's loss is **in range** when it is finite and at most ``LOSS_JUMP_FACTOR`` (10) times the median of the
-  finite losses of the (up to) ``LOSS_MEDIAN_STEPS`` (20) steps before it; with fewer than ``LOSS_MIN_HISTORY``
-  (5) such losses, or a median <= 0, any finite loss is in range (there is no range yet);
+* a step's loss is **in range** unless it is finite and more than ``LOSS_JUMP_FACTOR`` (10) times the median of
+  the finite losses of the (up to) ``LOSS_MEDIAN_STEPS`` (20) steps before it; with fewer than
+  ``LOSS_MIN_HISTORY`` (5) such losses, or a median <= 0, there is no range yet. (A non-finite loss is a
+  non-finite forward: a persistent failure of its own.)
 * a module's weights (the norm of its own parameters) or low-precision activations (their largest |x|) **grow
   fast** between two samples when they at least doubled (activations: grew ``ACTIVATION_MIN_FACTOR``, 4x,
   since they vary with the batch), at least as fast as doubling every ``GROWTH_DOUBLING_STEPS`` (20) steps;
@@ -53,11 +54,11 @@ def loss_limit(previous: Sequence[StepRecord]) -> Optional[tuple[float, float]]:
 
 
 def out_of_range(loss: Optional[float], limit: Optional[tuple[float, float]]) -> bool:
-    """The loss left its range (non-finite counts only once a range exists, as a jump; a non-finite forward is
-    persistent anyway)."""
-    if loss is None or limit is None:
+    """A finite loss above the range (a non-finite loss is a non-finite forward: a failure of its own, not a sign
+    of one to come)."""
+    if loss is None or limit is None or not math.isfinite(loss):
         return False
-    return not math.isfinite(loss) or loss > limit[1]
+    return loss > limit[1]
 
 
 def fast(kind: GrowthKind, before: float, after: float, span: int) -> bool:

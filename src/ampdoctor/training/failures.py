@@ -70,8 +70,9 @@ class FailureTracker:
         """Fold the step into the runs; what it calls for (nothing runs yet)."""
         observed = self.runs.observe(record)
         run = observed.run
-        if run is None and observed.ended is not None and observed.ended.divergence is not None:
-            self._say(f"step {record.step}: {_divergence_line(observed.ended)}")
+        ended = observed.ended
+        if ended is not None and ended.divergence is not None and ended.persistent_step == record.step:
+            self._say(f"step {record.step}: {_divergence_line(ended)}")  # found as the run ended
         if run is None:
             return Plan(record, None, None, False, False)
         kind = observed.capture

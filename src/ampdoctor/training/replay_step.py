@@ -108,8 +108,11 @@ def replay_micro(replayer: StepReplayer, m: MicroBatch, scale: float, step: int)
         if replayer.loss_fn is None or exc.stage != "loss" or m.output_grads() is None:
             raise
         report = _replay(replayer, m, scale, step, None)
-        return add_notes(report, [f"loss_fn raised on the replayed batch ({exc.__cause__ or exc}): the capture "
-                                  "replayed the step through its recorded output gradient instead"])
+        cause = exc.__cause__ or exc
+        return add_notes(report, [
+            f"loss_fn raised on the replayed batch ({type(cause).__name__}: {cause}; without doctor.set_targets it "
+            "gets the batch as its second argument): the capture replayed the step from its own record instead"
+        ])
 
 
 def _replay(replayer: StepReplayer, m: MicroBatch, scale: float, step: int, loss_fn: Optional[LossFn]) -> Report:
