@@ -4,11 +4,12 @@ out this one document, so they say the same things. Pure: records in, a document
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
-from ..analysis import Origin
+from ..analysis import Divergence, Origin
 from ..records import BATCH, LOSS, OpFinding, Recommendation, SourceLocation, TensorStats
 from .rows import ReportRows, bits_text
 
@@ -174,6 +175,29 @@ def _table(headers: tuple[str, ...], rows: list[list[object]]) -> Table:
     return Table(headers, tuple(tuple(str(v) for v in row) for row in rows))
 
 
+DIVERGENCE_TITLE = "Divergence (not harmless: GradScaler backing off does not stop it)"
+
+
+def divergence_lines(d: Divergence) -> list[str]:
+    """What a divergence finding says, one fact per line (every renderer and the watch's warning use these)."""
+    lines = []
+    if d.loss_median is not None and d.loss_peak is not None:
+        times = d.loss_peak / d.loss_median if d.loss_median > 0 else math.inf
+        rise = f"{times:.0f}x its median" if math.isfinite(times) else "non-finite"
+        lines.append(
+            f"the loss left its range at step {d.began} (recent median {d.loss_median:.4g}; up to "
+            f"{d.loss_peak:.4g} at step {d.peak_step}: {rise})"
+        )
+    else:
+        lines.append(f"weights or activations grew fast from step {d.began} while the loss rose")
+    if d.growth:
+        lines.append("fastest growth: " + ", ".join(
+            f"{g.what} of {g.module or '<root>'} x{g.factor:.3g} (steps {g.from_step}-{g.to_step})" for g in d.growth
+        ))
+    lines.append(f"then bad steps from step {d.skipped_from}")
+    return lines
+
+
 def build_document(report: Report, max_rows: int = 20) -> Document:
     """Everything the text and markdown reports say, in order."""
     f, run = report.findings, report.run
@@ -181,6 +205,8 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
     head = f.verdict.upper() + (f" - {origin.direction} origin: {origin.label}" if origin is not None else "")
     if not run.backward_checked:
         head += " (forward only: no gradient was checked)"
+    if f.divergence is not None:
+        head += f" - divergence from step {f.divergence.began}"
     backward = (
         f"loss scale {run.scale:g} ({run.scale_source}), loss from {run.loss_source}"
         if run.backward_checked
@@ -191,6 +217,10 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
         f"{len(report.trace.calls)} module calls"
     )
     sections: list[Section] = []
+    if f.divergence is not None:
+        said = [Para(line) for line in divergence_lines(f.divergence)]
+        said += [Para(f"try: {advice}", 2) for advice in f.divergence.advice]
+        sections.append(Section(DIVERGENCE_TITLE, tuple(said)))
     for origin_ in (f.forward_origin, f.backward_origin):
         if origin_ is not None:
             sections.append(_origin_section(origin_, report.trace.scale))

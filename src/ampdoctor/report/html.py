@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 from ..analysis import Origin
 from ..records import BATCH, LOSS, FormatLimits
 from ..thresholds import HEADROOM_WARN_BITS
-from .document import alerts, describe_bad, describe_origin, failed_passes, fmt_num
+from .document import (
+    DIVERGENCE_TITLE,
+    alerts,
+    describe_bad,
+    describe_origin,
+    divergence_lines,
+    failed_passes,
+    fmt_num,
+)
 from .html_parts import _code, _e, _names, _shape, _td
 from .html_tables import COLLAPSE_MIN_RUN, FULL_TABLE_ROWS, backward_section, forward_section, steps_section
 from .text import render_text
@@ -54,6 +62,8 @@ def _banner(report: Report) -> str:
     )
     if not run.backward_checked:
         where += " (forward only: no gradient was checked)"
+    if f.divergence is not None:
+        where += f" · divergence from step {f.divergence.began}"
     notices = "".join(f'<div class="ad-alert">{_e(a)}</div>' for a in alerts(report))
     return (
         f'<div class="ad-banner ad-v-{_e(css)}"><span class="ad-verdict">{_e(verdict.upper())}</span>{where}'
@@ -135,6 +145,10 @@ def _section(title: str, body: str) -> str:
 def _findings_sections(report: Report) -> str:
     f, run = report.findings, report.run
     parts: list[str] = []
+    if f.divergence is not None:
+        items = [f"<li>{_e(line)}</li>" for line in divergence_lines(f.divergence)]
+        advice = "".join(f"<li>{_e(a)}</li>" for a in f.divergence.advice)
+        parts.append(_section(DIVERGENCE_TITLE, f"<ul>{''.join(items)}</ul><p>Try:</p><ul>{advice}</ul>"))
     if f.propagation:
         parts.append(
             _section(

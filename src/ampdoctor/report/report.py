@@ -42,7 +42,10 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """CLI convention: 0 healthy or warnings only (harmless scale overflow, thin headroom), 1 a finding."""
+        """CLI convention: 0 healthy or warnings only (harmless scale overflow, thin headroom), 1 a finding
+        (a divergence in training included)."""
+        if self.findings.divergence is not None:
+            return 1
         if self.verdict == "healthy":
             return 0
         if self.verdict == "scale_overflow" and self.findings.scale is not None and self.findings.scale.harmless:

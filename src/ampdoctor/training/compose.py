@@ -21,6 +21,7 @@ from ..capture.stats import format_limits
 from ..records import ModuleInfo, PassTrace, RunInfo, StepRecord, Verdict
 from ..report import Report
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
+from .divergence import summary as divergence_summary
 from .replay_step import Capture
 from .runs import HARMLESS, OPEN, PERSISTENT, Run, annotate, merged_runs, scale_from_runs
 
@@ -67,8 +68,11 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
     base, failure_rank = _base_capture(payloads, runs, first_local)
     warnings: list[str] = []
     findings = _findings(base, steps, runs, own.dtype, warnings)
+    diverged = min((r.divergence for r in runs if r.divergence is not None), key=lambda d: d.began, default=None)
+    if diverged is not None:
+        warnings.insert(0, divergence_summary(diverged))
     findings = dataclasses.replace(
-        findings, warnings=(*findings.warnings, *warnings, *trend_warnings(steps, own.dtype))
+        findings, warnings=(*findings.warnings, *warnings, *trend_warnings(steps, own.dtype)), divergence=diverged
     )
     notes = _summary(own, steps, runs)
     if merged:
@@ -80,7 +84,10 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
 
     if base is not None:
         run_info = dataclasses.replace(base.run, notes=(*base.run.notes, *notes))
-        return Report(run_info, base.modules, base.trace, findings, base.recommendations, steps=tuple(steps))
+        recommendations = base.recommendations
+        if diverged is not None:  # "GradScaler's back-off handles it" is untrue of a divergence
+            recommendations = tuple(r for r in recommendations if r.action != "loss_scale")
+        return Report(run_info, base.modules, base.trace, findings, recommendations, steps=tuple(steps))
     scale = own.scale or 1.0
     run_info = RunInfo(
         torch_version=torch.__version__,

@@ -10,7 +10,9 @@ The definitions, used by the run logic (:mod:`.runs`) and stated in the README:
   fast** between two samples when they at least doubled (activations: grew ``ACTIVATION_MIN_FACTOR``, 4x,
   since they vary with the batch), at least as fast as doubling every ``GROWTH_DOUBLING_STEPS`` (20) steps;
 * a run of bad steps is a **divergence** when a loss left its range from ``LOOKBACK_STEPS`` (10) steps before the
-  run on, or some module grew fast between samples taken from ``GROWTH_WINDOW_STEPS`` (100) steps before it on.
+  run on, or when the loss is *rising* (above ``LOSS_RISE_FACTOR`` (2) times its recent median) while some module
+  grew fast between samples taken from ``GROWTH_WINDOW_STEPS`` (100) steps before the run on. (Growth alone is
+  no divergence: early in training an output layer grows fast while the loss falls.)
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from typing import Optional
 from ..analysis import Divergence, Growth
 from ..analysis.findings import GrowthKind
 from ..records import StepRecord
+from ..report.document import divergence_lines
 
 LOSS_JUMP_FACTOR = 10.0
 LOSS_MEDIAN_STEPS = 20
 LOSS_MIN_HISTORY = 5
 LOOKBACK_STEPS = 10
+LOSS_RISE_FACTOR = 2.0
 WEIGHT_MIN_FACTOR = 2.0
 ACTIVATION_MIN_FACTOR = 4.0
 GROWTH_DOUBLING_STEPS = 20
@@ -59,6 +63,15 @@ def out_of_range(loss: Optional[float], limit: Optional[tuple[float, float]]) ->
     if loss is None or limit is None or not math.isfinite(loss):
         return False
     return loss > limit[1]
+
+
+def rising(history: Sequence[StepRecord]) -> bool:
+    """The latest finite loss is above ``LOSS_RISE_FACTOR`` times the median of the ones before it."""
+    finite = [s for s in history if s.loss is not None and math.isfinite(s.loss)]
+    if not finite:
+        return False
+    limit = loss_limit(finite[:-1])
+    return limit is not None and finite[-1].loss is not None and finite[-1].loss > LOSS_RISE_FACTOR * limit[0]
 
 
 def fast(kind: GrowthKind, before: float, after: float, span: int) -> bool:
@@ -107,7 +120,7 @@ def detect(
     """
     jump = next((j for j in jumps if run_start - LOOKBACK_STEPS <= j[0] <= now.step), None)
     grown = growth(samples, run_start - GROWTH_WINDOW_STEPS)
-    if jump is None and not grown:
+    if jump is None and not (grown and rising(history)):
         return None
     began = jump[0] if jump is not None else min(g.from_step for g in grown)
     losses = [(s.loss, s.step) for s in history if s.step >= began and s.loss is not None]
@@ -130,26 +143,4 @@ def has_values(step: StepRecord) -> bool:
 
 def summary(d: Divergence) -> str:
     """What happened, in one line that starts with the stable name ``divergence``."""
-    parts = []
-    if d.loss_median is not None and d.loss_peak is not None:
-        times = d.loss_peak / d.loss_median if math.isfinite(d.loss_peak) and d.loss_median > 0 else math.inf
-        rise = f"{times:.0f}x" if math.isfinite(times) else "non-finite"
-        parts.append(
-            f"the loss left its range at step {d.began} (recent median {d.loss_median:.4g}; up to "
-            f"{d.loss_peak:.4g} at step {d.peak_step}, {rise})"
-        )
-    else:
-        parts.append(f"fast growth from step {d.began}")
-    named = [f"{g.what} of {g.module or '<root>'} x{g.factor:.3g} (steps {g.from_step}-{g.to_step})"
-             for g in d.growth]
-    if named:
-        parts.append("fastest growth: " + ", ".join(named))
-    return f"divergence: {'; '.join(parts)}; then bad steps from step {d.skipped_from}"
-
-
-def describe(d: Divergence) -> str:
-    """The report's warning: :func:`summary`, why it is not harmless, and what to try."""
-    return (
-        f"{summary(d)}. Not harmless: GradScaler backing off does not stop a divergence; try: "
-        f"{'; '.join(d.advice)}"
-    )
+    return "divergence: " + "; ".join(divergence_lines(d))

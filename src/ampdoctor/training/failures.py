@@ -72,7 +72,7 @@ class FailureTracker:
         run = observed.run
         ended = observed.ended
         if ended is not None and ended.divergence is not None and ended.persistent_step == record.step:
-            self._say(f"step {record.step}: {_divergence_line(ended)}")  # found as the run ended
+            self._say(f"step {record.step}: {ended.reason} (see doctor.report())")  # found as the run ended
         if run is None:
             return Plan(record, None, None, False, False)
         kind = observed.capture
@@ -156,20 +156,15 @@ class FailureTracker:
     def _say_persistent(self, record: StepRecord, run: Run, captured: Optional[Capture]) -> None:
         if run.status != PERSISTENT or run.persistent_step != record.step:
             return
-        if run.divergence is not None:
-            self._say(f"step {record.step}: {_divergence_line(run)}")
-            return
-        found = ""
+        text = run.reason if run.reason.startswith("divergence") else f"persistent failure, {run.reason}"
+        if run.divergence is not None and not run.reason.startswith("divergence"):
+            text += f" (after a divergence from step {run.divergence.began})"
         if captured is not None:
             origin = captured.report.forward_origin or captured.report.backward_origin
             where = f", {origin.direction} origin: {origin.label}" if origin is not None else ""
-            found = f"; captured: {captured.report.verdict.upper()}{where}"
-        self._say(f"step {record.step}: persistent failure, {run.reason}{found} (see doctor.report())")
+            text += f"; captured: {captured.report.verdict.upper()}{where}"
+        self._say(f"step {record.step}: {text} (see doctor.report())")
 
     def _say(self, text: str) -> None:
         prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
         log.warning("%sampdoctor: %s", prefix, text)
-
-
-def _divergence_line(run: Run) -> str:
-    return f"{run.reason} (see doctor.report())"
