@@ -28,11 +28,12 @@ from torch import nn
 
 from .readback import Decoded, Extra, Pair
 
-# Columns of a module's row in the buffer: its outputs, then its output gradients; for each, the low-precision
-# tensors' (lo, hi), the other floating tensors' (lo, hi), and whether each kind was seen.
-_COLUMNS = 12
-_LO, _HI, _RAN = (0, 2), (1, 3), (4, 5)  # per group: index for low-precision tensors, index for the others
-_GRAD = 6  # offset of the gradient columns
+# Columns of a module's row in a buffer (one buffer for outputs, one for output gradients, so the forward and
+# the backward graph each write their own): the low-precision tensors' (lo, hi), the other floating tensors'
+# (lo, hi), and whether each kind was seen.
+_COLUMNS = 6
+_LO, _HI, _RAN = (0, 2), (1, 3), (4, 5)  # index for low-precision tensors, index for the others
+_EMPTY = (math.inf, -math.inf, math.inf, -math.inf, 0.0, 0.0)
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 COMPILED_NOTE = (
@@ -139,7 +140,9 @@ class CompiledStats:
     def __init__(self, root: nn.Module, names: dict[int, str]) -> None:
         self.modules = [(names.get(id(m), ""), m) for m in root.modules() if m is not root]
         device = next((p.device for p in root.parameters()), torch.device("cpu"))
-        self.buffer = torch.zeros(max(1, len(self.modules)), _COLUMNS, device=device)
+        rows = max(1, len(self.modules))
+        self.outputs = torch.zeros(rows, _COLUMNS, device=device)
+        self.grads = torch.zeros(rows, _COLUMNS, device=device)
         self.on = False
         self.seen = False  # the last sampled step's read-back held statistics
         self.handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.modules)]
@@ -148,11 +151,8 @@ class CompiledStats:
     def reset(self) -> None:
         """Before a sampled step: nothing seen yet."""
         with torch.no_grad():
-            for group in (0, _GRAD):
-                for lo, hi, ran in zip(_LO, _HI, _RAN):
-                    self.buffer[:, group + lo] = math.inf
-                    self.buffer[:, group + hi] = -math.inf
-                    self.buffer[:, group + ran] = 0.0
+            for buffer in (self.outputs, self.grads):
+                buffer.copy_(torch.tensor(_EMPTY, device=buffer.device).expand_as(buffer))
 
     def remove(self) -> None:
         self.on = False
@@ -161,29 +161,33 @@ class CompiledStats:
         self.handles.clear()
 
     def _hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
-        buffer = self.buffer
+        outputs, grads = self.outputs, self.grads
 
-        def record(group: int, tensors: list[torch.Tensor]) -> None:
+        def record(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+            """One write of the module's row: (lo, hi) of each kind folded into what earlier calls left."""
+            row = buffer[index]
+            new = [row[c] for c in range(_COLUMNS)]
             for kind in (0, 1):  # low-precision tensors, then the others
                 chosen = [t for t in tensors if (t.dtype in LOW_DTYPES) == (kind == 0)]
                 if not chosen:
                     continue
-                pairs = [torch.stack(torch.aminmax(t.detach())).float() for t in chosen]
-                both = torch.stack(pairs) if len(pairs) > 1 else pairs[0].unsqueeze(0)
-                lo, hi = group + _LO[kind], group + _HI[kind]
-                buffer[index, lo] = torch.minimum(buffer[index, lo], both[:, 0].amin())
-                buffer[index, hi] = torch.maximum(buffer[index, hi], both[:, 1].amax())
-                buffer[index, group + _RAN[kind]] = 1.0
+                pairs = torch.stack([torch.stack(torch.aminmax(t.detach())).float() for t in chosen])
+                new[_LO[kind]] = torch.minimum(row[_LO[kind]], pairs[:, 0].amin())
+                new[_HI[kind]] = torch.maximum(row[_HI[kind]], pairs[:, 1].amax())
+                new[_RAN[kind]] = torch.ones_like(row[_RAN[kind]])
+            buffer[index].copy_(torch.stack(new))
 
         def on_grad(grad: torch.Tensor) -> None:
             if grad.numel() > 0:
-                record(_GRAD, [grad])
+                record(grads, [grad])
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.on:
                 return
             tensors = _floating(output)
-            record(0, tensors)
+            if not tensors:
+                return
+            record(outputs, tensors)
             for t in tensors:
                 if t.requires_grad:
                     t.register_hook(on_grad)
@@ -191,17 +195,17 @@ class CompiledStats:
         return hook
 
     def extra(self) -> Extra:
-        """The buffer, read back with the step."""
-        return Extra(self.buffer.reshape(-1), self._decode)
+        """Both buffers, read back with the step."""
+        return Extra(torch.cat([self.outputs.reshape(-1), self.grads.reshape(-1)]), self._decode)
 
     def _decode(self, numbers: list[float]) -> Decoded:
         pairs: list[Pair] = []
-        for i, (name, _) in enumerate(self.modules):
-            row = numbers[i * _COLUMNS : (i + 1) * _COLUMNS]
-            for group, kind in ((0, "out"), (_GRAD, "grad")):
+        half = len(numbers) // 2
+        for offset, kind in ((0, "out"), (half, "grad")):
+            for i, (name, _) in enumerate(self.modules):
+                row = numbers[offset + i * _COLUMNS : offset + (i + 1) * _COLUMNS]
                 for which in (0, 1):
-                    if row[group + _RAN[which]]:
-                        low = which == 0
-                        pairs.append((kind, name, row[group + _LO[which]], row[group + _HI[which]], low))  # type: ignore[arg-type]
+                    if row[_RAN[which]]:
+                        pairs.append((kind, name, row[_LO[which]], row[_HI[which]], which == 0))  # type: ignore[arg-type]
         self.seen = bool(pairs)
         return Decoded(pairs=pairs)

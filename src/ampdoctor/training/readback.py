@@ -262,15 +262,22 @@ def weight_versions(model: torch.nn.Module) -> int:
     return sum(p._version for p in model.parameters())
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` off the graph (no copy), still asking for a gradient when it did: a replay of a reentrant activation
+    checkpoint only back-propagates into its region when an input requires grad."""
+    out = t.detach()
+    return out.requires_grad_() if t.requires_grad and t.is_floating_point() else out
+
+
 def detach_tree(obj: Any) -> Any:
     """The same structure with every tensor detached (no copy, no graph kept alive)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach()
+        return _detached(obj)
     if type(obj) is tuple and all(isinstance(v, torch.Tensor) for v in obj):  # the common case, without pytree
-        return tuple(v.detach() for v in obj)
+        return tuple(_detached(v) for v in obj)
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, obj)
+    return tree_map(lambda v: _detached(v) if isinstance(v, torch.Tensor) else v, obj)
 
 
 def loss_value(outputs: Any) -> Optional[torch.Tensor]:
