@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -31,6 +33,24 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+# A run of ranks that is not done by then is a hang: its processes are killed and the test fails.
+SPAWN_TIMEOUT_S = 300
+
+
+def spawn_ranks(
+    fn: Callable[..., None], args: tuple[Any, ...], world: int = 2, timeout: float = SPAWN_TIMEOUT_S
+) -> None:
+    """Run ``fn(rank, *args)`` on ``world`` spawned processes; fail (never hang) when they take over ``timeout``."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    context = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=2):  # raises when a rank failed
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world} ranks were still running after {timeout:.0f} s: a hang")
 
 
 def make_model() -> nn.Sequential:
@@ -85,8 +105,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend in this torch")
 def test_two_rank_gloo_run_names_the_rank_and_the_origin(tmp_path: Path) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(worker, (free_port(), str(tmp_path)), WORLD)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     zero = results[0]
     assert zero["verdict"] == "overflow" and zero["origin"] == "boom"
