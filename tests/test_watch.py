@@ -591,7 +591,7 @@ def test_hf_trainer_callback() -> None:
     plain = square_model()
     manual = hf_callback()
     manual.on_train_begin(None, None, None, model=plain)
-    square_steps(plain, None, 3, after_step=lambda: manual.on_step_end(None, None, None))
+    square_steps(plain, None, 3, after_step=lambda: manual.on_pre_optimizer_step(None, None, None))
     manual.on_train_end(None, None, None)
     assert [s.step for s in manual.report.steps] == [0, 1, 2]
 

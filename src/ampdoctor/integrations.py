@@ -1,25 +1,30 @@
 """Thin adapters that run ``ampdoctor.watch`` inside the training frameworks people already use.
 
-Each framework is imported only when its adapter is asked for; ampdoctor itself needs neither.
+Each framework is imported only when its adapter is asked for; ampdoctor itself needs neither (they are test
+extras). Copy-pasteable examples, run on CPU by ``tests/test_integrations_*.py``:
 
-PyTorch Lightning::
+Lightning (``Trainer.fit``)::
 
     from ampdoctor.integrations import lightning_callback
-    doctor_cb = lightning_callback(stats_every=100)
-    trainer = lightning.Trainer(precision="16-mixed", callbacks=[doctor_cb])
+    doctor_cb = lightning_callback()
+    trainer = lightning.Trainer(precision="16-mixed", callbacks=[doctor_cb])   # "bf16-mixed" on CPU
     trainer.fit(model)
-    doctor_cb.report  # the Report, once training ended
+    print(doctor_cb.report)
 
 Hugging Face ``Trainer``::
 
     from ampdoctor.integrations import hf_callback
-    trainer = transformers.Trainer(model=model, args=TrainingArguments(..., fp16=True), ...)
+    trainer = transformers.Trainer(model=model, args=TrainingArguments(..., fp16=True), ...)   # bf16=True on CPU
     doctor_cb = hf_callback(trainer)             # adds itself to the trainer
     trainer.train()
-    doctor_cb.report  # the Report, once training ended
+    print(doctor_cb.report)
 
-Both find the framework's ``GradScaler`` (``scaler.update`` then closes each step). Without one (bfloat16) they
-close a step after each optimizer step themselves.
+Accelerate needs no adapter: ``ampdoctor.watch(model, accelerator.scaler)`` around the loop (see the README).
+
+Both adapters find the framework's ``GradScaler`` (``scaler.update`` then closes each step). Without one
+(bfloat16, or float16 on a CPU where the framework turns AMP to bfloat16) they hand the watch each step's loss
+and close the step after the backward and before the optimizer step, so a capture replays the weights of the
+failing forward.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ class _WatchAdapter:
         self._manual_steps = scaler is None
         self.doctor = watch(model, scaler, **self.watch_kwargs)
 
+    def _loss(self, loss: Any) -> None:
+        """Without a scaler nothing else shows the watch the loss."""
+        if self.doctor is not None and self._manual_steps:
+            self.doctor.see_loss(loss)
+
     def _step(self) -> None:
         if self.doctor is not None and self._manual_steps:
             self.doctor.step()
@@ -64,16 +74,19 @@ class _WatchAdapter:
 
 
 def _lightning_base() -> type:
+    base: type
     try:
-        from lightning.pytorch import Callback
+        from lightning.pytorch import Callback as LightningCallback
+
+        base = LightningCallback
     except ImportError:
         try:
-            from pytorch_lightning import Callback
+            from pytorch_lightning import Callback as LegacyCallback
         except ImportError:
             raise AmpDoctorError(
                 "lightning_callback needs PyTorch Lightning: pip install lightning"
             ) from None
-    base: type = Callback
+        base = LegacyCallback
     return base
 
 
@@ -85,10 +98,12 @@ def _lightning_scaler(trainer: Any) -> Any:
     return None
 
 
-def lightning_callback(**watch_kwargs: Any) -> Any:
+def lightning_callback(module: Optional[str] = None, **watch_kwargs: Any) -> Any:
     """A Lightning ``Callback`` that watches ``trainer.fit`` (keyword arguments go to ``ampdoctor.watch``).
 
-    After fitting (or an exception), ``callback.report`` holds the Report.
+    ``module``: the submodule to watch (``"net"`` for ``pl_module.net``) when ``training_step`` calls it rather
+    than ``self(...)``: captures replay the watched module's forward. After fitting (or an exception),
+    ``callback.report`` holds the Report.
     """
     base = _lightning_base()
 
@@ -98,12 +113,14 @@ def lightning_callback(**watch_kwargs: Any) -> Any:
             self._setup(watch_kwargs)
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            self._start(pl_module, _lightning_scaler(trainer))
+            watched = pl_module.get_submodule(module) if module else pl_module
+            self._start(watched, _lightning_scaler(trainer))
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            every = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-            if (batch_idx + 1) % every == 0:
-                self._step()
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self._loss(loss)
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            self._step()  # after the (accumulated) backward, before optimizer.step
 
         def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
             self._stop()
@@ -117,8 +134,9 @@ def lightning_callback(**watch_kwargs: Any) -> Any:
 def hf_callback(trainer: Any = None, *, scaler: Any = None, **watch_kwargs: Any) -> Any:
     """A Hugging Face ``TrainerCallback`` that watches ``trainer.train()``; added to ``trainer`` when given.
 
-    The scaler is ``scaler`` or the trainer's ``accelerator.scaler``. After training, ``callback.report`` holds
-    the Report.
+    The scaler is ``scaler`` or the trainer's ``accelerator.scaler``. Without one, steps close at
+    ``on_pre_optimizer_step`` (after the backward and gradient clipping, before the optimizer), and the loss comes
+    from the model's own output (``output.loss``). After training, ``callback.report`` holds the Report.
     """
     try:
         from transformers import TrainerCallback
@@ -140,7 +158,7 @@ def hf_callback(trainer: Any = None, *, scaler: Any = None, **watch_kwargs: Any)
                 raise AmpDoctorError("hf_callback: the Trainer passed no model to on_train_begin")
             self._start(model, found)
 
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._step()
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -24,8 +24,8 @@ from ..capture.hooks import register_grad_hook
 from ..capture.walk import iter_tensors
 from .compiled import CompiledStats, RootTap, is_compiled
 from .quiet import diagnosing, recomputing
-from .readback import MicroBatch
-from .replay_step import has_own_loss
+from .readback import MicroBatch, loss_value
+from .replay_step import own_loss
 
 if TYPE_CHECKING:
     from .runtime import Watch
@@ -44,6 +44,8 @@ class WatchHooks:
         self.compiled: Optional[CompiledStats] = None
         self.open = False  # a watched root forward is running
         self.grads_on = False  # this step is sampled: gradient hooks on module outputs
+        self.probes: list[Any] = []  # one-shot hooks that look for autocast inside the first forward
+        self.probed = False
 
     # -- installing -----------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -72,8 +74,14 @@ class WatchHooks:
             handle.remove()
         self.module_handles.clear()
 
+    def remove_probes(self) -> None:
+        for handle in self.probes:
+            handle.remove()
+        self.probes.clear()
+
     def remove(self) -> None:
         self.remove_modules()
+        self.remove_probes()
         if self.compiled is not None:
             self.compiled.remove()
             self.compiled = None
@@ -91,6 +99,8 @@ class WatchHooks:
         try:
             if w.low is None:
                 w.low = autocast_dtype(w.device_type)
+                if w.low is None and not self.probed:
+                    self._probe_autocast()
             micro = MicroBatch.keep(module, args, kwargs, w.targets)
             cur = w.cur
             if len(cur.micro) >= MAX_MICRO_BATCHES:
@@ -109,11 +119,17 @@ class WatchHooks:
         if not self.open or not w.cur.micro:  # not a watched forward (evaluation, or ampdoctor's own pass)
             return
         self.open = False
+        self.remove_probes()
         if self.compiled is not None:
             self.compiled.on = False
         try:
             micro = w.cur.micro[-1]
-            micro.own_loss = has_own_loss(output)
+            loss = own_loss(output)
+            micro.own_loss = loss is not None
+            if loss is not None and loss.is_floating_point():  # the step's loss, unless scaler.scale shows one
+                value = loss_value(loss)
+                if value is not None:
+                    micro.loss_slot = w.cur.collector.add(value)
             for path, t in iter_tensors(output, "out"):
                 if not t.is_floating_point() or t.numel() == 0:
                     continue
@@ -125,6 +141,18 @@ class WatchHooks:
                         self.keep_grad(micro, path, t)
         except Exception as exc:
             w.fail(exc)
+
+    def _probe_autocast(self) -> None:
+        """Autocast switched on inside the model's own forward (accelerate wraps ``forward`` in it): the root's
+        children see it. Pre-hooks on them for the first watched forward only (removed in :meth:`root_post`)."""
+        w = self.w
+
+        def look(module: nn.Module, args: Any) -> None:
+            if w.low is None:
+                w.low = autocast_dtype(w.device_type)
+
+        self.probed = True
+        self.probes = [child.register_forward_pre_hook(look) for child in w.root.children()]
 
     def keep_grad(self, micro: MicroBatch, path: str, t: torch.Tensor) -> None:
         """Keep the gradient reaching this output (the real loss's, scaled) until the step ends, within the cap."""

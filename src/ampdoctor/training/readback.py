@@ -34,6 +34,7 @@ class MicroBatch:
     rng: RngState  # every random stream before the forward: the replay draws the same dropout masks
     targets: Any = None
     loss_slot: Optional[int] = None  # index into the step's collected values
+    scaled: bool = False  # scaler.scale (or see_loss) gave this forward's loss
     loss_value: Optional[float] = None  # after the step's read-back
     root_slots: list[int] = field(default_factory=list)  # (lo, hi) pairs of the root outputs: index of each lo
     own_loss: bool = False  # the output carries its loss (scalar, .loss, ['loss']): diagnose finds it

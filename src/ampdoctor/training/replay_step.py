@@ -274,13 +274,16 @@ def with_targets(loss_fn: LossFn, targets: Any) -> LossFn:
     return bound
 
 
-def has_own_loss(output: Any) -> bool:
-    """The output carries its loss, so ``diagnose`` back-propagates the real one without a loss_fn."""
+def own_loss(output: Any) -> Optional[torch.Tensor]:
+    """The loss the output carries (a scalar output, ``output.loss``, ``output['loss']``): ``diagnose``
+    back-propagates the real one without a loss_fn."""
     if isinstance(output, torch.Tensor):
-        return output.numel() == 1
-    if isinstance(getattr(output, "loss", None), torch.Tensor):
-        return True
-    return isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor)
+        return output if output.numel() == 1 else None
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    loss = output.get("loss") if isinstance(output, Mapping) else None
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 class _GradReplay(torch.autograd.Function):

@@ -126,6 +126,8 @@ class Watch:
             notes.append(sharded.FSDP1_NOTE)
         param = next(self.root.parameters(), None)
         self.device_type = param.device.type if param is not None else "cpu"
+        if self.low is None and param is not None and param.dtype in LOW_DTYPES:
+            self.low = param.dtype  # a model cast to float16/bfloat16 runs low precision without autocast
         self.rank, self.world_size = _rank_and_world()
         self.names = {id(m): name for name, m in self.root.named_modules()}
         self._steps: deque[StepRecord] = deque(maxlen=history)
@@ -190,8 +192,14 @@ class Watch:
         checked against the step's recorded loss)."""
         self.targets = detach_tree(targets)
         micro = self.cur.micro
-        if micro and micro[-1].loss_slot is None:  # between its forward and scaler.scale(loss)
+        if micro and not micro[-1].scaled:  # between its forward and scaler.scale(loss)
             micro[-1].targets = self.targets
+
+    def see_loss(self, loss: Any) -> None:
+        """Optional, for loops without a GradScaler: the step's loss (before its backward), so that the report has
+        the losses (and can tell a divergence). ``scaler.scale(loss)`` does this itself, and so does a model whose
+        output carries its loss (``output.loss``)."""
+        self.scaled(loss)
 
     def step(self) -> None:
         """Close a step by hand, for loops without a GradScaler (bfloat16): after the backward, before
@@ -240,7 +248,7 @@ class Watch:
             slot = cur.collector.add(value)
             if cur.micro:
                 micro = cur.micro[-1]
-                micro.loss_slot = slot
+                micro.loss_slot, micro.scaled = slot, True
                 if self.targets is not None:
                     micro.targets = self.targets
             else:
