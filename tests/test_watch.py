@@ -562,8 +562,8 @@ def test_lightning_callback(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_lightning_callback_without_lightning(monkeypatch: pytest.MonkeyPatch) -> None:
     from ampdoctor.integrations import lightning_callback
 
-    monkeypatch.setitem(sys.modules, "lightning", None)  # import fails as if not installed
-    monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
+    for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):  # imports fail as if not installed
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ampdoctor.AmpDoctorError, match="pip install lightning"):
         lightning_callback()
 
