@@ -8,8 +8,7 @@
   base, never a module-level backward hook), installed only for those steps. A compiled model gets
   :class:`~.compiled.CompiledStats` instead: hooks registered once, gated by a flag.
 * **Never ampdoctor's own passes** (:mod:`.quiet`): a forward of a capture or of a user's ``diagnose`` is not a
-  training forward, and module hooks record only inside a watched root forward (or a checkpoint's recompute in
-  the training backward).
+  training forward; neither is an evaluation forward (no grad).
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ class WatchHooks:
                 w.low = autocast_dtype(w.device_type)
                 if w.low is None and not self.probed:
                     self._probe_autocast()
-            micro = MicroBatch.keep(module, args, kwargs, w.targets)
+            micro = MicroBatch.keep(module, args, kwargs, w.targets, weights=w.scaler is None)
             cur = w.cur
             if len(cur.micro) >= MAX_MICRO_BATCHES:
                 cur.micro.popleft()
@@ -172,9 +171,14 @@ class WatchHooks:
     # -- modules (eager, sampled steps) ---------------------------------------------------------------------
     def module_post(self, module: nn.Module, args: Any, output: Any) -> None:
         w = self.w
-        # a watched training forward, or a checkpoint recomputing its region in the training backward
-        if not self.open and not (recomputing() and not diagnosing()):
-            return
+        # a watched root forward; else a training forward that calls the module directly, or a checkpoint
+        # recomputing its region in the training backward; never an evaluation forward or ampdoctor's own pass
+        if not self.open:
+            if recomputing():
+                if diagnosing():
+                    return
+            elif not torch.is_grad_enabled() or diagnosing(thorough=False):
+                return
         try:
             name = w.names.get(id(module), "")
             if not name:

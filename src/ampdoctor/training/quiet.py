@@ -8,9 +8,10 @@ Two kinds of passes are ampdoctor's, not training:
   copy-on-write ``TorchFunctionMode``, which the current mode stack shows in O(1); should that mode ever change,
   the Python stack holds a frame of ``ampdoctor.api`` / ``ampdoctor.capture`` / ``ampdoctor.fixes`` (the fallback).
 
-A watch asks once per root forward (:func:`diagnosing`), not per module call. Activation checkpointing
-recomputes forwards during a backward, outside any root forward: :func:`recomputing` tells those apart, and the
-watch records them only when no diagnosis is on the stack.
+A watch asks once per root forward (:func:`diagnosing`); module calls outside a watched root forward (a
+``training_step`` that calls submodules directly) get the O(1) checks only. Activation checkpointing recomputes
+forwards during a backward: :func:`recomputing` tells those apart, and the watch records them only when no
+diagnosis is on the stack.
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ def _diagnosis_on_stack() -> bool:
     return False
 
 
-def diagnosing() -> bool:
-    """True while ampdoctor runs the model on this thread: a watch's capture, or a ``diagnose`` call."""
-    return getattr(_local, "depth", 0) > 0 or _ampdoctor_mode_active() or _diagnosis_on_stack()
+def diagnosing(thorough: bool = True) -> bool:
+    """True while ampdoctor runs the model on this thread: a watch's capture, or a ``diagnose`` call.
+
+    ``thorough=False`` skips the walk up the Python stack (for checks made on every module call)."""
+    if getattr(_local, "depth", 0) > 0 or _ampdoctor_mode_active():
+        return True
+    return thorough and _diagnosis_on_stack()
 
 
 def recomputing() -> bool:

@@ -38,19 +38,22 @@ class MicroBatch:
     loss_value: Optional[float] = None  # after the step's read-back
     root_slots: list[int] = field(default_factory=list)  # (lo, hi) pairs of the root outputs: index of each lo
     own_loss: bool = False  # the output carries its loss (scalar, .loss, ['loss']): diagnose finds it
-    weight_versions: int = 0  # sum of the parameters' in-place versions at the forward: did an optimizer step?
+    # sum of the parameters' in-place versions at the forward (did an optimizer step before the step closed?);
+    # None with a scaler, whose update closes a step after a skipped (so harmless) optimizer step
+    weight_versions: Optional[int] = None
     expected_grads: set[str] = field(default_factory=set)  # output paths whose gradient is kept
     out_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # scaled gradient w.r.t. each output
     not_kept: dict[str, int] = field(default_factory=dict)  # output paths whose gradient was over the cap: bytes
 
     @classmethod
-    def keep(cls, model: torch.nn.Module, args: Any, kwargs: Any, targets: Any) -> MicroBatch:
+    def keep(cls, model: torch.nn.Module, args: Any, kwargs: Any, targets: Any, weights: bool) -> MicroBatch:
         """What a root forward of ``model`` leaves for a replay, taken just before it runs: its inputs (detached,
-        by reference) and every random stream as it is now (the dropout masks the forward is about to draw)."""
+        by reference) and every random stream as it is now (the dropout masks the forward is about to draw).
+        ``weights``: fingerprint the parameters too (steps closed by hand may come after an optimizer step)."""
         kept_args, kept_kwargs = detach_tree(args), detach_tree(kwargs) if kwargs else {}
         return cls(
             kept_args, kept_kwargs, tensor_versions(kept_args, kept_kwargs), RngState.capture(), targets=targets,
-            weight_versions=weight_versions(model),
+            weight_versions=weight_versions(model) if weights else None,
         )
 
     def inputs_changed(self) -> bool:
@@ -86,7 +89,9 @@ class Collector:
         return index
 
     def pair(self, kind: PairKind, module: str, t: torch.Tensor, low: bool) -> int:
-        index = self.add(torch.stack(torch.aminmax(t)))  # one pass; NaN and inf show up in the result
+        lo, hi = torch.aminmax(t)  # one pass; NaN and inf show up in the result
+        index = self.add(lo)
+        self.add(hi)
         self.layout.append((index, kind, module, low))
         return index
 
@@ -94,22 +99,27 @@ class Collector:
         return [(kind, module, numbers[i], numbers[i + 1], low) for i, kind, module, low in self.layout]
 
     def read(self) -> list[float]:
-        """Every number as a Python float: one ``cat`` + ``tolist`` per device."""
+        """Every number as a Python float: one ``stack`` of the 0-d values (mixed float16/bfloat16/float32 promote
+        there, exactly), one ``cat`` with the blocks and one ``tolist`` per device."""
         if not self.values:
             return []
-        by_device: dict[torch.device, list[int]] = {}
-        for i, v in enumerate(self.values):
-            by_device.setdefault(v.device, []).append(i)
         starts, at = [], 0
         for v in self.values:
             starts.append(at)
             at += v.numel()
         numbers: list[float] = [math.nan] * at
+        by_device: dict[torch.device, list[int]] = {}
+        for i, v in enumerate(self.values):
+            by_device.setdefault(v.device, []).append(i)
         for positions in by_device.values():  # one device, unless the model is split across devices
-            # float64 holds every float16/bfloat16/float32 value exactly
-            flat = torch.cat([self.values[i].detach().reshape(-1).to(torch.float64) for i in positions]).tolist()
+            scalars = [i for i in positions if self.values[i].dim() == 0]
+            blocks = [i for i in positions if self.values[i].dim() != 0]
+            parts = [torch.stack([self.values[i] for i in scalars])] if scalars else []
+            parts += [self.values[i].detach().reshape(-1) for i in blocks]
+            dtype = torch.promote_types(parts[0].dtype, torch.float32) if len(parts) == 1 else torch.float64
+            flat = (torch.cat([p.to(dtype) for p in parts]) if len(parts) > 1 else parts[0].to(dtype)).tolist()
             k = 0
-            for i in positions:
+            for i in scalars + blocks:
                 n = self.values[i].numel()
                 numbers[starts[i] : starts[i] + n] = flat[k : k + n]
                 k += n

@@ -119,7 +119,7 @@ def _replay(replayer: StepReplayer, m: MicroBatch, scale: float, step: int, loss
     batch = as_batch(replayer.root, m.args, m.kwargs)
     loss, backward, notes, bad_grad = capture_loss(loss_fn, m, scale)
     notes += replayer.notes
-    if weight_versions(replayer.root) != m.weight_versions:
+    if m.weight_versions is not None and weight_versions(replayer.root) != m.weight_versions:
         notes.append(
             "the weights changed between the failing forward and this capture (the optimizer stepped on the "
             "non-finite gradients first): the replay ran on the updated weights; close bfloat16 steps with "

@@ -22,7 +22,7 @@ read-back into a record), ``runs`` and ``divergence`` (harmless / persistent / d
   ends, up to ``max_output_grad_bytes``), the scale before and after ``update`` and GradScaler's found-inf flags:
   on the device, read back once in ``update`` (which already synchronises through ``scaler.step``).
 * **Sampled steps** (every ``stats_every``, and every step for a while after the loss left its range): per-module
-  output and gradient statistics, and each module's weight norm.
+  output and gradient statistics, and (every ``WEIGHT_NORMS_EVERY`` steps of those) each module's weight norm.
 * **DDP**: names come from the wrapped ``.module``; each rank records on its own (no collective per step);
   ``report()`` gathers the ranks once (``all_gather_object``: every rank must call it). **FSDP2**: one small
   all-reduce per step decides whether the ranks gather the full model for a capture (:mod:`.sharded`).
@@ -61,6 +61,9 @@ from .taps import Tap, join
 DEFAULT_STATS_EVERY = 50
 # After a loss leaves its range, this many further steps are sampled (to see what grows during a divergence).
 DENSE_STEPS_AFTER_JUMP = 10
+# Weight norms (one read of every parameter) on sampled steps that are multiples of this, on the steps sampled
+# after a loss jump, and at the start of every run of bad steps.
+WEIGHT_NORMS_EVERY = 10
 # Steps kept in the ring buffer.
 DEFAULT_HISTORY = 2048
 # Full captures (a diagnose on the failing inputs) per kind: runs of skipped steps, and persistent failures.
@@ -140,6 +143,7 @@ class Watch:
         self.cur = StepState()
         self.hooks = WatchHooks(self)
         self._taps: list[Tap] = []
+        self._owned: Optional[list[tuple[str, torch.Tensor]]] = None  # each parameter with its module's name
         self._failures = FailureTracker(
             self.root, max_captures=self.max_captures, save_bundle=save_bundle, bundle_dir=bundle_dir,
             rank=self.rank, world_size=self.world_size, scaler=scaler, note=self._note,
@@ -322,7 +326,8 @@ class Watch:
     def _read(
         self, cur: StepState, step: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor]
     ) -> tuple[StepRecord, list[bool]]:
-        extras = [self._weight_norms()] if sampled else []
+        norms_due = sampled and (step % WEIGHT_NORMS_EVERY == 0 or step <= self._dense_until)
+        extras = [self._weight_norms()] if norms_due else []
         compiled = self.hooks.compiled
         if sampled and compiled is not None:
             extras.append(compiled.extra())
@@ -338,17 +343,17 @@ class Watch:
 
     def _weight_norms(self) -> Extra:
         """Each module's own parameters' L2 norm (this rank's shard of a sharded parameter), as one block."""
-        owners: list[str] = []
-        tensors: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for name, module in self.root.named_modules():
-            for p in module.parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    owners.append(name)
-                    tensors.append(sharded.local(p).detach())
-        norms = torch._foreach_norm(tensors) if tensors else []
-        block = torch.stack([n.float() for n in norms]) if norms else torch.zeros(0)
+        if self._owned is None:  # (module name, parameter) once: the model's structure does not change
+            seen: set[int] = set()
+            self._owned = []
+            for name, module in self.root.named_modules():
+                for p in module.parameters(recurse=False):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        self._owned.append((name, p))
+        owners = [name for name, _ in self._owned]
+        norms = torch._foreach_norm([sharded.local(p).detach() for _, p in self._owned]) if owners else []
+        block = torch.stack(list(norms)).float() if norms else torch.zeros(0)
 
         def decode(numbers: list[float]) -> Decoded:
             squares: dict[str, float] = {}
