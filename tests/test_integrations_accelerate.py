@@ -60,7 +60,7 @@ def test_accelerate_bf16_loop_names_the_log_of_zero(fresh_accelerate: Any) -> No
     batches = [torch.rand(4, 4, generator=torch.Generator().manual_seed(i)) + 0.5 for i in range(5)]
     batches[BAD_STEP][1] = 0.0
 
-    # the README's Accelerate example
+    # the README's Accelerate example, in bfloat16 (no scaler: doctor.step() before opt.step())
     with ampdoctor.watch(model, accelerator.scaler, save_bundle=False) as doctor:  # scaler: None in bfloat16
         for x in batches:
             opt.zero_grad()
