@@ -49,6 +49,29 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.ones(2, 16) if bad else torch.full((2, 16), 0.5)
 
 
+def train(model: nn.Module, scaler: Any, rank: int, autocast: bool = True) -> None:
+    """The DDP test's loop: rank 1's batch overflows boom's forward from step 2 on (lr 0: constant weights)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step in range(STEPS):
+        opt.zero_grad()
+        # with MixedPrecisionPolicy(param_dtype=float16) the model runs in float16 without autocast
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            loss = small_loss(model(batch(rank, step)), None)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def ranks(worker: Any, out_dir: Path, *args: Any) -> list[dict[str, Any]]:
+    """Run ``worker(rank, port, out_dir, *args)`` on every rank; what each rank saved with :func:`save`."""
+    spawn_ranks(worker, (free_port(), str(out_dir), *args), WORLD)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def save(out_dir: str, rank: int, result: dict[str, Any]) -> None:
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
 def watch_worker(rank: int, port: int, out_dir: str, scaler_kind: str, mixed: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -57,19 +80,11 @@ def watch_worker(rank: int, port: int, out_dir: str, scaler_kind: str, mixed: bo
 
         model = shard(make_model(), mixed)
         scaler = ShardedGradScaler("cpu") if scaler_kind == "sharded" else torch.amp.GradScaler("cpu")
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
         fsdp_hooks = hook_count(model)  # FSDP's own
         with ampdoctor.watch(model, scaler, bundle_dir=out_dir, stats_every=1) as doctor:
-            for step in range(STEPS):
-                opt.zero_grad()
-                # with MixedPrecisionPolicy(param_dtype=float16) the model runs in float16 without autocast
-                with torch.autocast("cpu", dtype=torch.float16, enabled=not mixed):
-                    loss = small_loss(model(batch(rank, step)), None)
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+            train(model, scaler, rank, autocast=not mixed)
         report = doctor.report()
-        result = {
+        save(out_dir, rank, {
             "text": str(report),
             "verdict": report.verdict,
             "origin": report.forward_origin.module if report.forward_origin else None,
@@ -81,8 +96,7 @@ def watch_worker(rank: int, port: int, out_dir: str, scaler_kind: str, mixed: bo
             "params_sharded": all(type(p).__name__ == "DTensor" for p in model.parameters()),
             "taps_left": "update" in scaler.__dict__ or "scale" in scaler.__dict__,
             "bundle": str(doctor.bundle_path) if doctor.bundle_path else None,
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        })
     finally:
         dist.destroy_process_group()
 
@@ -93,8 +107,7 @@ def watch_worker(rank: int, port: int, out_dir: str, scaler_kind: str, mixed: bo
     ids=["ShardedGradScaler+autocast", "GradScaler+autocast", "ShardedGradScaler+MixedPrecisionPolicy(float16)"],
 )
 def test_fsdp2_names_the_rank_the_step_and_the_module(tmp_path: Path, scaler_kind: str, mixed: bool) -> None:
-    spawn_ranks(watch_worker, (free_port(), str(tmp_path), scaler_kind, mixed), WORLD)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    results = ranks(watch_worker, tmp_path, scaler_kind, mixed)
     zero, one = results
     assert zero["verdict"] == "overflow" and zero["origin"] == "boom" and zero["dtype"] == "float16"
     assert f"rank {BAD_RANK} first went non-finite, at step {BAD_FROM_STEP}" in zero["text"]
@@ -123,16 +136,16 @@ def diagnose_worker(rank: int, port: int, out_dir: str) -> None:
             # the two ranks find different things and run different passes: nothing waits on the other
             report = ampdoctor.diagnose(full, batch(rank, BAD_FROM_STEP), loss_fn=small_loss)
         sharded_again = all(type(p).__name__ == "DTensor" for p in model.parameters())
-        result = {"verdict": report.verdict, "origin": report.forward_origin.module if report.forward_origin else None,
-                  "sharded_again": sharded_again, "passes": len(report.run.passes)}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        save(out_dir, rank, {
+            "verdict": report.verdict, "origin": report.forward_origin.module if report.forward_origin else None,
+            "sharded_again": sharded_again, "passes": len(report.run.passes),
+        })
     finally:
         dist.destroy_process_group()
 
 
 def test_diagnose_on_the_gathered_full_model_of_an_fsdp2_model(tmp_path: Path) -> None:
-    spawn_ranks(diagnose_worker, (free_port(), str(tmp_path)), WORLD)
-    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD))
+    zero, one = ranks(diagnose_worker, tmp_path)
     assert zero["verdict"] == "healthy" and zero["origin"] is None
     assert one["verdict"] == "overflow" and one["origin"] == "boom"
     assert zero["passes"] != one["passes"]  # different schedules, and no hang
@@ -147,26 +160,17 @@ def fsdp1_worker(rank: int, port: int, out_dir: str) -> None:
 
         model = FullyShardedDataParallel(make_model(), device_id=torch.device("cpu"))
         scaler = torch.amp.GradScaler("cpu")
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
         with ampdoctor.watch(model, scaler, bundle_dir=out_dir) as doctor:
-            for step in range(STEPS):
-                opt.zero_grad()
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = small_loss(model(batch(rank, step)), None)
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+            train(model, scaler, rank)
         report = doctor.report()
-        result: dict[str, Any] = {"text": str(report), "bundle": doctor.bundle_path is not None,
-                                  "captured": any(s.captured for s in report.steps)}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        save(out_dir, rank, {"text": str(report), "bundle": doctor.bundle_path is not None,
+                             "captured": any(s.captured for s in report.steps)})
     finally:
         dist.destroy_process_group()
 
 
 def test_fsdp1_is_recorded_without_captures_and_says_so(tmp_path: Path) -> None:
-    spawn_ranks(fsdp1_worker, (free_port(), str(tmp_path)), WORLD)
-    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD))
+    zero, one = ranks(fsdp1_worker, tmp_path)
     assert "FullyShardedDataParallel (FSDP1)" in zero["text"] and "ran no capture" in zero["text"]
     assert f"rank {BAD_RANK} first went non-finite, at step {BAD_FROM_STEP}" in zero["text"]
     assert not zero["captured"] and not one["captured"] and not one["bundle"]

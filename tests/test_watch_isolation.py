@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_ddp import make_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -22,13 +23,7 @@ FP16 = torch.float16
 
 def boom_model() -> nn.Sequential:
     """boom's output is 16 * 5000 * x: 40000 for x = 0.5 (finite), 80000 (+inf in float16) for x = 1."""
-    model = nn.Sequential()
-    for name, n_in, n_out, value in (("pre", 16, 16, 1 / 16), ("boom", 16, 16, 5000.0), ("post", 16, 4, 1e-4)):
-        layer = nn.Linear(n_in, n_out, bias=False)
-        with torch.no_grad():
-            layer.weight.fill_(value)
-        model.add_module(name, layer)
-    return model
+    return make_model()
 
 
 def tiny_loss(out: torch.Tensor, _: Any = None) -> torch.Tensor:

@@ -48,8 +48,10 @@ def loader(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
-def readme_loop(tmp_path: Path, loss_fn: Any, steps: int = BLOWUP_STEP + 2, **watch_kwargs: Any) -> ampdoctor.Watch:
-    """The README's example, as written there (a CPU autocast here)."""
+def readme_loop(
+    tmp_path: Path, loss_fn: Any, steps: int = BLOWUP_STEP + 2, set_targets: bool = False, **watch_kwargs: Any
+) -> ampdoctor.Watch:
+    """The README's example, as written there (a CPU autocast here); ``set_targets`` adds the optional line."""
     model = classifier()
     criterion = nn.CrossEntropyLoss()
     scaler = torch.amp.GradScaler("cpu")
@@ -57,6 +59,8 @@ def readme_loop(tmp_path: Path, loss_fn: Any, steps: int = BLOWUP_STEP + 2, **wa
     kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
     with ampdoctor.watch(model, scaler, bundle_dir=tmp_path, **kwargs, **watch_kwargs) as doctor:
         for inputs, targets in loader(steps):  # your loop, unchanged
+            if set_targets:
+                doctor.set_targets(targets)
             opt.zero_grad()
             with torch.autocast("cpu", dtype=FP16):
                 loss = criterion(model(inputs), targets)
@@ -125,19 +129,8 @@ def test_a_backward_overflow_is_replayed_from_the_recorded_output_gradient(tmp_p
 
 def test_a_loss_fn_that_matches_the_step_replays_the_loss_itself(tmp_path: Path) -> None:
     """The right loss, targets handed over with set_targets: no fallback, the loss itself is re-run."""
-    model = classifier()
     criterion = nn.CrossEntropyLoss()
-    scaler = torch.amp.GradScaler("cpu")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with ampdoctor.watch(model, scaler, loss_fn=lambda out, y: criterion(out, y), bundle_dir=tmp_path) as doctor:
-        for inputs, targets in loader(BLOWUP_STEP + 1):
-            doctor.set_targets(targets)
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=FP16):
-                loss = criterion(model(inputs), targets)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+    doctor = readme_loop(tmp_path, lambda out, y: criterion(out, y), BLOWUP_STEP + 1, set_targets=True)
     report = doctor.report()
     assert report.forward_origin is not None and report.forward_origin.module == "boom"
     assert report.run.loss_source == "loss_fn"
