@@ -92,15 +92,16 @@ class Op:
 
     name: str  # "aten::baddbmm"
     every: dict[str, Any]  # its arguments by schema name
-    inputs: list[Input]  # meaningful floating inputs
-    read_cells: list[Cell]  # cells of every meaningful input, any dtype
-    garbage_read: list[tuple[torch.Tensor, torch.Tensor]]  # (input, its garbage per element) of any dtype
-    targets: list[torch.Tensor]  # tensors the op writes in place (self of ``mul_``, ``out=``)
-    arg_storages: set[int]
-    is_view: bool
-    pointwise: bool
-    scalars: tuple[float, ...]
-    explicit_nonfinite: bool  # a Python NaN/inf constant (``masked_fill(-inf)``): an intentional value
+    is_view: bool = False
+    pointwise: bool = False
+    inputs: list[Input] = field(default_factory=list)  # meaningful floating inputs
+    read_cells: list[Cell] = field(default_factory=list)  # cells of every meaningful input, any dtype
+    # (input, its garbage per element) for meaningful inputs of any dtype that hold garbage where used
+    garbage_read: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    targets: list[torch.Tensor] = field(default_factory=list)  # written in place (self of ``mul_``, ``out=``)
+    arg_storages: set[int] = field(default_factory=set)
+    scalars: tuple[float, ...] = ()
+    explicit_nonfinite: bool = False  # a Python NaN/inf constant (``masked_fill(-inf)``): an intentional value
     pre_stats: Optional[list[torch.Tensor]] = None  # inputs' stats taken before an in-place op ran
     pre_numel: list[int] = field(default_factory=list)
 
@@ -220,7 +221,7 @@ class DataFlow:
     def before(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Op:
         roles = roles_of(func)
         if roles.is_view:  # a view reads and writes nothing: it shares its input's storage, and so its cell
-            return Op(roles.name, {}, [], [], [], [], set(), True, False, (), False)
+            return Op(roles.name, {}, is_view=True)
         bound: list[tuple[str, bool, bool, Any]] = [
             (name, written, kw_only, value) for (name, written, kw_only), value in zip(roles.arguments, args)
         ]
@@ -232,7 +233,7 @@ class DataFlow:
         if (roles.name in BETA_OPS and every.get("beta", 1) == 0) or roles.name in OVERWRITE_OPS:
             ignored.add("self")
         keeps = regions(roles.name, every)
-        op = Op(roles.name, every, [], [], [], [], set(), False, roles.pointwise, (), False)
+        op = Op(roles.name, every, pointwise=roles.pointwise)
         scalars: list[float] = []
         for name, written, kw_only, value in bound:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
