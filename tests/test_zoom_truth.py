@@ -453,3 +453,36 @@ def test_backward_zoom_ignores_garbage_gradients() -> None:
             (g,) = torch.autograd.grad(y, x, grad)
     assert g.isnan().all()
     assert zoom.finding is not None and zoom.finding.op == "aten::mul.Tensor" and zoom.finding.node == "ExpBackward0"
+
+
+# -- a real model: T5's log(0) in its relative position buckets only picks an index --------------------------
+
+
+def test_t5_position_bucket_log_is_a_note_when_zooming_over_the_whole_model() -> None:
+    """Zoomed over the whole T5 forward: ``torch.log(relative_position / max_exact)`` makes -inf for position 0
+    (turned into an integer bucket), in the encoder and in the decoder; the inf that reaches the loss is wo's
+    float16 mm (weights scaled to |w|max 30000: 64 terms of ~1 * ~5000 exceed 65504)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, attn_implementation="eager",
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    wo = model.get_submodule("encoder.block.1.layer.1.DenseReluDense.wo")
+    with torch.no_grad():
+        wo.weight.mul_(30000.0 / wo.weight.abs().max())
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(2, 64, (2, 12), generator=gen), torch.randint(2, 64, (2, 8), generator=gen)
+    zoom = OpZoom("", 0)
+    with torch.autocast("cpu", dtype=torch.float16), zoom:
+        out = model(input_ids=ids, labels=labels)
+        zoom.finish(out.loss)
+    assert not torch.isfinite(out.loss)
+    op = zoom.finding
+    assert op is not None and op.op == "aten::mm" and op.location is not None
+    assert op.location.file.endswith("modeling_t5.py") and op.location.code == "hidden_states = self.wo(hidden_states)"
+    assert [d.op for d in op.discarded] == ["aten::log", "aten::log"]  # encoder, then decoder
+    assert all(d.location is not None and "torch.log(relative_position.float() / max_exact)" in d.location.code
+               for d in op.discarded)
+    assert zoom.error is None
