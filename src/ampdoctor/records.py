@@ -305,6 +305,10 @@ class OpFinding:
     direction: Direction = "forward"
     node: Optional[str] = None
     scalar_args: tuple[float, ...] = ()  # Python numbers passed to the op (fill constants)
+    # Ops of the same call (in op order) that made non-finite values which never reached the bad output:
+    # discarded (torch.where, nan_to_num, masked_fill, turned into integers) or never used. A note, never the
+    # origin: fixing one of them leaves the output as it is.
+    discarded: tuple[OpFinding, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
