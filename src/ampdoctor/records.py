@@ -286,7 +286,7 @@ class SourceLocation:
 
 @dataclass(frozen=True)
 class OpFinding:
-    """The first operation whose output was non-finite while its inputs were not.
+    """The op whose non-finite result reached the bad output (see ``capture.zoom``): made from the inputs it used.
 
     Forward: inside the origin call, ``location`` is the line that ran the op. Backward: ``node`` is the
     autograd node that ran it (``ExpBackward0``) and ``location`` the forward line that created that node.

@@ -86,9 +86,21 @@ def describe_origin(origin: Origin, origin_scale: float = 1.0) -> list[str]:
         lines.append("  " + describe_op_head(origin.op))
         if origin.op.location is not None:
             lines.append(f"    {describe_where(origin.op, origin.op.location)}: {origin.op.location.code}")
+    if origin.op is not None and origin.op.discarded:
+        lines.append(f"  note: also made and then discarded (not the cause): {discarded_text(origin.op)}")
     if origin.policy_note:
         lines.append(f"  note: {origin.policy_note}")
     return lines
+
+
+def discarded_text(op: OpFinding) -> str:
+    """The non-finite values the call made and discarded, one entry per op and line: 'aten::log at t5.py:88 (x2)'."""
+    counts: dict[str, int] = {}
+    for d in op.discarded:
+        where = f" at {os.path.basename(d.location.file)}:{d.location.line}" if d.location is not None else ""
+        key = f"{d.op}{where}"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(key + (f" (x{n})" if n > 1 else "") for key, n in counts.items())
 
 
 def cost_text(rec: Recommendation) -> Optional[str]:

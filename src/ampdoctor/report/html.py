@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..analysis import Origin
 from ..records import BATCH, LOSS, FormatLimits
 from ..thresholds import HEADROOM_WARN_BITS
-from .document import alerts, describe_bad, describe_origin, failed_passes, fmt_num
+from .document import alerts, describe_bad, describe_origin, discarded_text, failed_passes, fmt_num
 from .html_parts import _code, _e, _names, _shape, _td
 from .html_tables import COLLAPSE_MIN_RUN, FULL_TABLE_ROWS, backward_section, forward_section, steps_section
 from .text import render_text
@@ -116,6 +116,8 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
             items.append(
                 (where, f"{_code(f'{loc.file}:{loc.line}')} in {_code(loc.function)}<pre>{_e(loc.code)}</pre>")
             )
+    if op is not None and op.discarded:
+        items.append(("made and discarded", _e(f"{discarded_text(op)} (not the cause)")))
     if origin.policy_note:
         items.append(("CPU policy", _e(origin.policy_note)))
     items.append(
