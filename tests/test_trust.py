@@ -13,20 +13,13 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_untouched, snapshot
+from helpers import assert_untouched, constant_linear, snapshot
 from torch import nn
 
 import ampdoctor
 from ampdoctor.errors import InvalidInput
 
 FP16 = torch.float16
-
-
-def constant_linear(n_in: int, n_out: int, value: float) -> nn.Linear:
-    layer = nn.Linear(n_in, n_out, bias=False)
-    with torch.no_grad():
-        layer.weight.fill_(value)
-    return layer
 
 
 def _bits(t: torch.Tensor) -> bytes:

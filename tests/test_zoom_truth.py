@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from helpers import assert_untouched, snapshot
+from helpers import assert_untouched, constant_linear, snapshot
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -56,13 +56,6 @@ def assert_at(op: Optional[OpFinding], name: str, code: str) -> OpFinding:
     assert op.location is not None and Path(op.location.file).resolve() == HERE
     assert op.location.line == line_of(code) and op.location.code.startswith(code)
     return op
-
-
-def constant_linear(n_in: int, n_out: int, value: float) -> nn.Linear:
-    layer = nn.Linear(n_in, n_out, bias=False)
-    with torch.no_grad():
-        layer.weight.fill_(value)
-    return layer
 
 
 class StaleMemory(TorchDispatchMode):
