@@ -107,3 +107,12 @@ def plain_amp_step(model: nn.Module, batch: torch.Tensor, dtype: torch.dtype = t
         out = model(batch)
     out.float().sum().backward()
     model.zero_grad(set_to_none=True)
+
+
+def constant_linear(n_in: int, n_out: int, value: float) -> nn.Linear:
+    """A bias-free Linear whose every weight is ``value``: its output is ``n_in * value * x`` for a constant input,
+    so a test can carry its expected answer in a comment."""
+    layer = nn.Linear(n_in, n_out, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(value)
+    return layer

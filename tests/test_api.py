@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_untouched, snapshot
+from helpers import assert_untouched, constant_linear, snapshot
 from torch import nn
 
 import ampdoctor
@@ -24,15 +24,6 @@ def run(model: nn.Module, batch, **kwargs) -> ampdoctor.Report:  # type: ignore[
     # the report survives a JSON round trip unchanged
     assert ampdoctor.Report.from_json(report.to_json()).to_json() == report.to_json()
     return report
-
-
-def constant_linear(n_in: int, n_out: int, value: float, bias: bool = False) -> nn.Linear:
-    layer = nn.Linear(n_in, n_out, bias=bias)
-    with torch.no_grad():
-        layer.weight.fill_(value)
-        if bias:
-            layer.bias.zero_()
-    return layer
 
 
 # -- forward origins ---------------------------------------------------------------------------------------

@@ -244,3 +244,33 @@ def test_diagnose_loads_a_trainer_directory_whose_rng_state_is_refused(tmp_path:
     loaded = load_weights(target, run)
     assert loaded.files == ("pytorch_model.bin",) and loaded.tensors == 4
     assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), source.state_dict().values()))
+
+
+def test_a_global_whose_name_is_computed_at_load_is_refused_even_with_unsafe_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # STACK_GLOBAL on str("posix"), str("system"): no literal names to check, so ampdoctor cannot tell what it
+    # imports. Before the fix, --unsafe-load ran os.system.
+    import torch
+
+    def unicode(text: str) -> bytes:
+        raw = text.encode()
+        return b"X" + len(raw).to_bytes(4, "little") + raw
+
+    marker = tmp_path / "PWNED"
+    payload = b"\x80\x02"
+    payload += b"cbuiltins\nstr\n" + unicode("posix") + b"\x85R"
+    payload += b"cbuiltins\nstr\n" + unicode("system") + b"\x85R"
+    payload += b"\x93" + unicode(f"touch {marker}") + b"\x85R."
+    base = tmp_path / "base.pt"
+    torch.save({"w": torch.zeros(2)}, base)
+    evil = tmp_path / "evade.pt"
+    with zipfile.ZipFile(base) as zin, zipfile.ZipFile(evil, "w", compression=zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            data = payload if item.filename.endswith("data.pkl") else zin.read(item.filename)
+            zout.writestr(item, data)
+    for extra in ([], ["--unsafe-load"]):
+        assert main(["scan", str(evil), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "computed while loading" in err and "likely malicious" in err, err
+    assert not marker.exists()

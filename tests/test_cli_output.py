@@ -220,3 +220,19 @@ def test_write_output_refuses_the_same_path_without_the_cli(tmp_path: Path) -> N
     with pytest.raises(InvalidInput, match="that is the input"):
         fileio.write_output("text\n", str(ckpt), [ckpt])
     assert state(ckpt) == before
+
+
+def test_diagnose_refuses_an_output_that_is_the_model_factorys_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "factories_for_output_test.py"
+    source.write_text("from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), "
+                      "nn.Linear(4, 2))\n")
+    ckpt = healthy(tmp_path / "ckpt.pt")
+    before = state(source)
+    monkeypatch.chdir(tmp_path)  # the current directory is importable, as the CLI documents
+    argv = ["diagnose", str(ckpt), "--model", "factories_for_output_test:build", "--input-shape", "2x4",
+            "-o", str(source)]
+    assert main(argv) == 2
+    assert "factories_for_output_test.py" in error_line(capsys)
+    assert state(source) == before

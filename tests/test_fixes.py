@@ -62,3 +62,10 @@ def test_recommendations_read_on_their_own_verified_first() -> None:
     assert proven == sorted(proven, reverse=True)  # verified alternatives first
     bf16 = next(r for r in report.recommendations if r.action == "bf16")
     assert bf16.title.startswith("autocast to bfloat16") and bf16.verified
+
+
+def test_loss_scale_snippets_are_exact_powers_of_two() -> None:
+    from ampdoctor.fixes.recommend import scale_literal
+
+    assert scale_literal(2.0**40) == "2.0**40" and eval(scale_literal(2.0**40)) == 2.0**40
+    assert scale_literal(65536.0) == "65536.0" and scale_literal(32.0) == "32.0"

@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from ampdoctor.capture import emulate, policy
+from ampdoctor import policy
+from ampdoctor.capture import emulate
 from ampdoctor.capture.emulate import cuda_autocast, installed_cuda_policy
 
 F16, F32 = torch.float16, torch.float32

@@ -65,3 +65,13 @@ def test_a_control_where_both_policies_agree() -> None:
         origin = report.forward_origin
         assert report.verdict == "overflow" and origin is not None
         assert (origin.module, origin.op.op, origin.policy_note) == ("clf.fc2", "aten::addmm", "")
+
+
+def test_a_bias_gradient_overflow_is_not_called_specific_to_the_cpu_policy() -> None:
+    # The bias gradient of Linear is a sum inside AddmmBackward0: addmm runs in float16 on CUDA too.
+    model = torch.nn.Linear(4, 1)
+    x = torch.full((4, 4), 0.1)
+    report = ampdoctor.diagnose(model, x, loss_fn=lambda o, _: o.float().sum() * 0.25, device_type="cpu")
+    origin = report.backward_origin
+    assert origin is not None and origin.op is not None and origin.op.node == "AddmmBackward0"
+    assert origin.policy_note == ""

@@ -13,20 +13,13 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_untouched, snapshot
+from helpers import assert_untouched, constant_linear, snapshot
 from torch import nn
 
 import ampdoctor
 from ampdoctor.errors import InvalidInput
 
 FP16 = torch.float16
-
-
-def constant_linear(n_in: int, n_out: int, value: float) -> nn.Linear:
-    layer = nn.Linear(n_in, n_out, bias=False)
-    with torch.no_grad():
-        layer.weight.fill_(value)
-    return layer
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -382,3 +375,49 @@ def test_float8_weights_are_measured_not_refused() -> None:
     report = ampdoctor.diagnose(model, torch.ones(2, 4), device_type="cpu")
     (param,) = next(m for m in report.modules if m.name == "0").params
     assert param.stats.dtype == "float8_e4m3fn" and param.stats.max == 0.5 and param.stats.is_finite
+
+
+# -- cases an adversarial review found --------------------------------------------------------------------
+
+
+def test_a_neginf_in_the_data_is_the_batch_not_the_first_layer() -> None:
+    # log-mel of silence: -inf in the features. A Linear mixes it into NaN; the cause is the batch.
+    x = torch.ones(2, 4)
+    x[0, 1] = float("-inf")
+    report = ampdoctor.diagnose(nn.Sequential(nn.Linear(4, 4)), x, device_type="cpu")
+    origin = report.forward_origin
+    assert origin is not None and origin.module == "<batch>" and origin.tensor == "batch"
+    assert report.recommendations[0].action == "fix_batch"
+
+
+def test_a_result_object_ampdoctor_walks_and_no_false_finite_claim() -> None:
+    class Box:  # a plain result object, as torch_geometric Data or detectron2 Instances
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    class Head(nn.Module):
+        def forward(self, x: torch.Tensor) -> Box:
+            return Box(torch.log(x - x))  # -inf made by the head itself
+
+    model = nn.Sequential()
+    model.add_module("lin", nn.Linear(4, 4))
+    model.add_module("head", Head())
+    report = ampdoctor.diagnose(model, torch.ones(2, 4), loss_fn=lambda out, _: out.t.float().mean(),
+                                device_type="cpu")
+    origin = report.forward_origin
+    assert origin is not None and origin.module == "head" and origin.tensor == "out.t"
+
+
+def test_devices_without_autocast_get_a_clear_error() -> None:
+    for device in ("meta", "tpu"):
+        with pytest.raises(InvalidInput, match=f"device_type='{device}'"):
+            ampdoctor.diagnose(nn.Linear(4, 4), torch.ones(2, 4), device_type=device)
+
+
+def test_a_weight_beyond_the_float16_range_is_not_called_near_it() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1e6
+    report = ampdoctor.diagnose(model, torch.zeros(2, 4), device_type="cpu")
+    assert not any(n.tensor.startswith("param:") for n in report.findings.near_limit)
+    assert any("0.weight (|x| up to 1e+06)" in w and "beyond the float16 range" in w for w in report.findings.warnings)

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_untouched, snapshot
+from helpers import assert_untouched, constant_linear, snapshot
 from torch import nn
 
 import ampdoctor
-
-
-def constant_linear(n_in: int, n_out: int, value: float) -> nn.Linear:
-    layer = nn.Linear(n_in, n_out, bias=False)
-    with torch.no_grad():
-        layer.weight.fill_(value)
-    return layer
 
 
 def diagnose(model: nn.Module, batch, **kwargs) -> ampdoctor.Report:  # type: ignore[no-untyped-def]

@@ -33,12 +33,12 @@ from .capture.dtypes import dtype_name, model_device_type
 from .capture.emulate import should_emulate_cuda
 from .capture.model import unwrap_model
 from .capture.passes import LossFn, PassSpec, capture_params, run_pass
-from .capture.policy import autocast_note
 from .capture.state import StateGuard
 from .capture.stats import format_limits
 from .errors import InvalidInput
 from .fixes.recommend import recommend
 from .fixes.verify import VerifyContext, verify_recommendations
+from .policy import autocast_note
 from .records import BATCH, LOSS, ModuleInfo, PassRecord, PassTrace, Recommendation, RunInfo
 from .report import Report
 

@@ -286,7 +286,7 @@ class SourceLocation:
 
 @dataclass(frozen=True)
 class OpFinding:
-    """The first operation whose output was non-finite while its inputs were not.
+    """The op whose non-finite result reached the bad output (see ``capture.zoom``): made from the inputs it used.
 
     Forward: inside the origin call, ``location`` is the line that ran the op. Backward: ``node`` is the
     autograd node that ran it (``ExpBackward0``) and ``location`` the forward line that created that node.
@@ -305,6 +305,10 @@ class OpFinding:
     direction: Direction = "forward"
     node: Optional[str] = None
     scalar_args: tuple[float, ...] = ()  # Python numbers passed to the op (fill constants)
+    # Ops of the same call (in op order) that made non-finite values which never reached the bad output:
+    # discarded (torch.where, nan_to_num, masked_fill, turned into integers) or never used. A note, never the
+    # origin: fixing one of them leaves the output as it is.
+    discarded: tuple[OpFinding, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,7 +7,7 @@ import math
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from .records import FrozenMap
 
@@ -103,3 +103,31 @@ def json_object(text: str, kind: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise AmpDoctorError(f"not an ampdoctor {kind}: expected a JSON object")
     return data
+
+
+R = TypeVar("R", bound="SavedReport")
+
+
+class SavedReport:
+    """JSON for a report record: ``to_json`` of its ``to_dict``, and ``from_json`` / ``from_dict`` through
+    :func:`load_versioned` (a newer major ``schema_version`` is refused). Subclasses name their schema."""
+
+    SCHEMA: ClassVar[str]
+    KIND: ClassVar[str]  # what the error messages call it: "report", "scan report"
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = to_plain(self)
+        return data
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls: type[R], data: dict[str, Any]) -> R:
+        return load_versioned(cls, data, cls.SCHEMA, cls.KIND)
+
+    @classmethod
+    def from_json(cls: type[R], text: str) -> R:
+        return cls.from_dict(json_object(text, cls.KIND))

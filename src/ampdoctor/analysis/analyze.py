@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Optional
 
-from ..capture.policy import cpu_policy_finding_note
+from ..policy import cpu_policy_finding_note
 from ..records import (
     Comparison,
     FormatLimits,
@@ -16,7 +17,7 @@ from ..records import (
 )
 from ..thresholds import HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
 from .findings import Findings, Origin, ScaleFinding, ScaleWindow, UnderflowFinding
-from .headroom import near_limit
+from .headroom import beyond_range_params, near_limit
 from .origin import backward_origin, classify, forward_origin, not_captured, propagation
 from .precision import precision_finding
 
@@ -75,6 +76,13 @@ def analyze(
         )
     if near:
         warnings.append(f"{len(near)} tensor(s) within {HEADROOM_WARN_BITS:g} bit of the {limits.dtype} max")
+    beyond = beyond_range_params(modules, limits)
+    if beyond:
+        shown = ", ".join(f"{name} (|x| up to {value:.4g})" for name, value in beyond[:5])
+        warnings.append(
+            f"{len(beyond)} parameter(s) hold values beyond the {limits.dtype} range: {shown}; every {limits.dtype} "
+            "op that autocast feeds them to gets inf"
+        )
     frozen = untrained_under_no_grad(trace, modules)
     if frozen:
         warnings.append(
@@ -104,7 +112,15 @@ def _with_policy_note(origin: Optional[Origin]) -> Optional[Origin]:
     if origin is None or origin.op is None:
         return origin
     kind = "overflow" if classify(origin.bad, origin.op) == "overflow" else "NaN"
-    note = cpu_policy_finding_note(origin.op.op, kind, origin.direction)
+    op = origin.op.op
+    if origin.direction == "backward":
+        # A backward kernel (the bias-gradient sum inside AddmmBackward0) is not an autocast-dispatched op: what
+        # decides its dtype is the forward op whose backward it is, named by the autograd node.
+        forward = _forward_op_of(origin.op.node)
+        if forward is None:
+            return origin
+        op = forward
+    note = cpu_policy_finding_note(op, kind, origin.direction)
     return dataclasses.replace(origin, policy_note=note) if note else origin
 
 
@@ -120,3 +136,11 @@ def untrained_under_no_grad(trace: PassTrace, modules: list[ModuleInfo]) -> list
         for p in info.params
         if p.requires_grad and p.name not in got
     ]
+
+
+def _forward_op_of(node: Optional[str]) -> Optional[str]:
+    """``"PowBackward0"`` -> ``"aten::pow"``; None without a node."""
+    match = re.fullmatch(r"([A-Za-z0-9]+?)Backward\d*", node or "")
+    if match is None:
+        return None
+    return "aten::" + re.sub(r"(?<!^)(?=[A-Z])", "_", match.group(1)).lower()

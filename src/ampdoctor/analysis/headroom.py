@@ -34,7 +34,7 @@ def near_limit(trace: PassTrace, modules: Iterable[ModuleInfo], limits: FormatLi
         if stats.abs_max is None:
             return
         bits = headroom_bits(stats.abs_max * factor, limits)
-        if bits is not None and bits < HEADROOM_WARN_BITS:
+        if bits is not None and 0 <= bits < HEADROOM_WARN_BITS:  # beyond the max is no longer 'near' it
             found.append(NearLimit(module, call, tensor, stats.abs_max * factor, bits))
 
     for c in trace.calls:
@@ -51,3 +51,15 @@ def near_limit(trace: PassTrace, modules: Iterable[ModuleInfo], limits: FormatLi
     found.sort(key=lambda n: n.headroom_bits)
     return found
 
+
+
+def beyond_range_params(modules: Iterable[ModuleInfo], limits: FormatLimits) -> list[tuple[str, float]]:
+    """Finite parameters with values autocast would turn into inf when it casts them to the low format."""
+    return [
+        (p.name, p.stats.abs_max)
+        for info in modules
+        for p in info.params
+        if p.stats.dtype != limits.dtype
+        and p.stats.abs_max is not None
+        and p.stats.abs_max >= limits.overflow_threshold
+    ]

@@ -115,6 +115,9 @@ def forward_origin(trace: PassTrace) -> Optional[Origin]:
     for c in sorted(creators, key=lambda c: c.end_order):
         if any(d.index in creator_ids for d in children.get(c.index, [])):
             continue
+        data = _neginf_batch_data(c, trace, children)
+        if data is not None:
+            return Origin("forward", BATCH, 0, "batch", data.path, data.stats, None)
         bad = _first_bad(c.outputs)
         assert bad is not None
         zoom = op if op is not None and (op.module, op.call) == (c.module, c.call) else None
@@ -122,7 +125,12 @@ def forward_origin(trace: PassTrace) -> Optional[Origin]:
     outputs_finite = not any(_bad(r.stats) for r in trace.output)
     if trace.loss is not None and _bad(trace.loss) and outputs_finite:
         zoom = op if op is not None and op.module == LOSS else None
-        return Origin("forward", LOSS, 0, "loss", "loss", trace.loss, _max_abs(trace.output), zoom)
+        # An output of a type ampdoctor cannot walk was never measured: "the model output was finite" would be
+        # a claim about nothing, so the loss is only where the value was first seen.
+        seen = any(r.stats.measured for r in trace.output)
+        return Origin(
+            "forward", LOSS, 0, "loss", "loss", trace.loss, _max_abs(trace.output), zoom, exact=seen
+        )
     # Something is non-finite but the rule placed nothing (e.g. the batch's -inf reached an op that made NaN).
     first = next((c for c in sorted(trace.calls, key=lambda c: c.end_order) if _first_bad(c.outputs)), None)
     if first is not None:
@@ -132,6 +140,29 @@ def forward_origin(trace: PassTrace) -> Optional[Origin]:
             "forward", first.module, first.call, first.class_name, bad.path, bad.stats, _max_abs(first.inputs),
             exact=False,
         )
+    return None
+
+
+# Leaf modules that multiply or mix their input: a -inf reaching them is data, not an additive mask.
+_MIXING_CLASSES = frozenset(
+    {"Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+     "LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell"}
+)
+
+
+def _neginf_batch_data(call: ModuleCall, trace: PassTrace, children: Mapping[int, list[ModuleCall]]) -> Optional[
+    TensorRecord
+]:
+    """A batch tensor holding -inf that a mixing leaf (Linear, Conv, RNN) consumed: a log of zero in the data,
+    not an attention mask (masks are added to scores, never multiplied into them)."""
+    if call.class_name not in _MIXING_CLASSES or children.get(call.index):
+        return None
+    batch = [b for b in trace.batch if b.stats.measured and b.stats.only_neginf]
+    for r in call.inputs:
+        if r.producer is None and r.stats.only_neginf:
+            match = next((b for b in batch if b.stats == r.stats), None)
+            if match is not None:
+                return match
     return None
 
 

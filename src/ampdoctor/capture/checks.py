@@ -17,6 +17,10 @@ from ..thresholds import DEFAULT_FP16_SCALE
 from .walk import iter_tensors
 
 
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def check_model(root: nn.Module) -> None:
     """TorchScript and uninitialised lazy modules cannot be instrumented: say so before touching anything."""
     scripted = [name or "<root>" for name, m in root.named_modules() if isinstance(m, torch.jit.ScriptModule)]
@@ -59,6 +63,19 @@ def usable_batch(batch: Any) -> Any:
 
 
 def check_device(device_type: str) -> None:
+    if device_type == "meta":
+        raise InvalidInput(
+            "device_type='meta': tensors on the meta device hold no values, so there is nothing to measure; "
+            "materialise the model (model.to_empty(device='cpu') and load its weights) first"
+        )
+    if device_type not in ("cpu", "cuda"):
+        try:
+            torch.autocast(device_type)
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidInput(
+                f"device_type={device_type!r}: torch has no autocast for it here ({first_line(exc)}); use 'cpu' "
+                "or 'cuda'"
+            ) from exc
     if device_type == "cuda" and not torch.cuda.is_available():
         raise InvalidInput(
             "device_type='cuda' with policy='native' but this machine has no CUDA device: torch turns "

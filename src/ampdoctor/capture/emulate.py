@@ -55,7 +55,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.library import fallthrough_kernel
 
-from .policy import (
+from ..policy import (
     CPU_FP32_KEPT_IN_EMULATION,
     CUDA_BANNED,
     CUDA_FP32,

@@ -122,9 +122,11 @@ class Recorder:
         self._handles.clear()
         self.close_zoom()
 
-    def close_zoom(self) -> None:
+    def close_zoom(self, output: Any = None) -> None:
         if self.zoom is not None and self._zoom_call is not None:
             self._zoom_call = None
+            if output is not None:
+                self.zoom.finish(output)  # name the op behind what the call returned
             self.zoom.__exit__(None, None, None)
 
     @property
@@ -223,7 +225,7 @@ class Recorder:
                 call = self.calls[index]
                 self.reference.compare(module, call.module, call.call, self.reference.pending.pop(index), output)
             if self._zoom_call == index:
-                self.close_zoom()
+                self.close_zoom(output)
             call = self.calls[index]
             for path, t in iter_tensors(output, "out"):
                 slot = self.collector.add(t)

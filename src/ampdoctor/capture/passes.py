@@ -142,6 +142,7 @@ def run_pass(
                     if loss_zoom is not None:
                         with loss_zoom:
                             loss, loss_source = resolve_loss(output, spec.batch, spec.loss_fn)
+                            loss_zoom.finish(loss)
                     else:
                         loss, loss_source = resolve_loss(output, spec.batch, spec.loss_fn)
                 except AmpDoctorError:

@@ -31,6 +31,11 @@ def iter_tensors(obj: Any, path: str, _depth: int = 0) -> Iterator[tuple[str, to
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name, None), f"{path}.{f.name}", _depth + 1)
+    elif not isinstance(obj, (type, nn.Module)) and isinstance(getattr(obj, "__dict__", None), dict):
+        # Plain result objects (torch_geometric Data, detectron2 Instances, a user's Box): their attributes.
+        for key, value in list(vars(obj).items()):
+            if not key.startswith("__"):
+                yield from iter_tensors(value, f"{path}.{key}", _depth + 1)
 
 
 def floating_leaves(values: Any) -> list[torch.Tensor]:

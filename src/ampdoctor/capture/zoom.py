@@ -1,27 +1,27 @@
-"""Op-level zoom: which aten op made the first non-finite value, and on which source line.
+"""Op-level zoom: which aten op made the non-finite value that reaches the bad output, and on which line.
 
 A ``TorchDispatchMode`` is switched on only inside the origin call (forward) or during the backward of a
-deterministic re-run; it synchronises per op, which is fine there and nowhere else.
+deterministic re-run; it synchronises per op, which is fine there and nowhere else. How it follows the data
+(what reached the output, what was discarded, what is uninitialised memory) is in :mod:`.zoom_flow`.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import re
 import traceback
-import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..records import Direction, OpFinding, SourceLocation
 from .dtypes import dtype_name
 from .stats import measuring
-from .walk import floating_leaves
+from .walk import iter_tensors
+from .zoom_flow import DataFlow, Flags, Op, Written
 
 # Frames in these folders are the library, not the user's model. Compared as paths (``is_relative_to``), never
 # as string prefixes: ``site-packages/torchvision`` is not inside ``site-packages/torch``.
@@ -68,18 +68,22 @@ def user_location() -> Optional[SourceLocation]:
     return _innermost_model_frame((f.filename, f.lineno or 0, f.name, f.line or "") for f in stack)
 
 
-def _value_flags(t: torch.Tensor) -> tuple[int, int, int]:
-    return int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()), int(torch.isneginf(t).sum())
-
-
 class _Zoom(TorchDispatchMode):
-    """Watches every aten op and keeps the first one that *created* a non-finite value.
+    """Watches every aten op of one call and names the op whose non-finite result reaches the bad output.
 
-    Active only on a deterministic re-run; it synchronises per op, which is fine there. Subclasses decide what
-    counts as creation and where the op's source line is. ampdoctor's own statistics ops are ignored.
+    Every op that makes a non-finite value from finite meaningful inputs is a *candidate*; :mod:`.zoom_flow`
+    follows which candidates' values each storage holds, and when the call ends the zoom names the first
+    candidate whose values reached the output (:meth:`finish`), or, when the output was not handed over,
+    the values the call made and left unconsumed. Candidates whose values were discarded on the way are kept
+    in the finding's ``discarded``. Subclasses decide what counts as making a value and where the op's source
+    line is. Active only on a deterministic re-run: one host read per op (two for a non-finite output).
+    ampdoctor's own statistics ops are ignored.
     """
 
     direction: Direction = "forward"
+    # Does the call's output outlive it? The forward's does (the hook holds it); the backward's gradients
+    # are freed by the time the zoom closes, so there any value nothing consumed counts.
+    outputs_outlive_call = True
 
     def __init__(self, module: str, call: int) -> None:
         super().__init__()
@@ -87,73 +91,113 @@ class _Zoom(TorchDispatchMode):
         self.call = call
         self.finding: Optional[OpFinding] = None
         self.error: Optional[str] = None  # why inspecting an op failed (reported in the pass's notes)
+        self._flow = DataFlow()
+        self._done = False  # resolved: later ops (and the zoom's own reads) pass through
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if self.finding is None and not measuring():
+        kwargs = kwargs or {}
+        if self._done or measuring():
+            return func(*args, **kwargs)
+        op: Optional[Op] = None
+        try:
+            op = self._flow.before(func, args, kwargs)
+        except Exception as exc:  # the zoom is best effort: never break the user's step, but say so
+            self._failed(func, exc)
+        out = func(*args, **kwargs)
+        if op is not None:
             try:
-                self._inspect(func, args, kwargs or {}, out)
-            except Exception as exc:  # the zoom is best effort: never break the user's step, but say so
-                self.error = self.error or f"{_op_name(func)}: {type(exc).__name__}: {exc}"
+                self._inspect(func, op, out)
+            except Exception as exc:
+                self._failed(func, exc)
         return out
 
-    def _inspect(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        outputs = floating_leaves(out)
-        out_flags = [_value_flags(t) for t in outputs]
-        if not any(sum(f) for f in out_flags):
+    def _failed(self, func: Any, exc: Exception) -> None:
+        self.error = self.error or f"{_op_name(func)}: {type(exc).__name__}: {exc}"
+
+    def _inspect(self, func: Any, op: Op, out: Any) -> None:
+        written = self._flow.after(op, out)
+        if written is None:
             return
-        leaves = tree_flatten((args, kwargs))[0]
-        inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not self._creates(leaves, inputs, out_flags, outputs):
-            return
-        abs_max: list[Optional[float]] = []
-        for t in inputs:
-            finite = t[torch.isfinite(t)]
-            abs_max.append(float(finite.abs().max()) if finite.numel() else None)
-        nan, posinf, neginf = (sum(f[i] for f in out_flags) for i in range(3))
+        taint = self._flow.inherited(op, written.inputs)
+        if not taint and not op.explicit_nonfinite and self._creates(written.inputs, written.flags):
+            taint = frozenset({self._flow.add_candidate(self._describe(func, op, written))})
+        self._flow.settle(written, taint)
+
+    def _describe(self, func: Any, op: Op, written: Written) -> OpFinding:
         node, location = self._where()
-        self.finding = OpFinding(
+        return OpFinding(
             op=_op_name(func),
             module=self.module,
             call=self.call,
-            input_dtypes=tuple(dtype_name(t.dtype) for t in inputs),
-            input_abs_max=tuple(abs_max),
-            output_dtype=dtype_name(outputs[0].dtype),
-            output_nan_count=nan,
-            output_posinf_count=posinf,
-            output_neginf_count=neginf,
+            input_dtypes=tuple(dtype_name(i.t.dtype) for i in op.inputs),
+            input_abs_max=tuple(f[3] if f[4] else None for f in written.inputs),
+            output_dtype=dtype_name(written.tensors[0].dtype),
+            output_nan_count=int(sum(f[0] for f in written.flags)),
+            output_posinf_count=int(sum(f[1] for f in written.flags)),
+            output_neginf_count=int(sum(f[2] for f in written.flags)),
             location=location,
             direction=self.direction,
             node=node,
-            scalar_args=tuple(float(v) for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)),
+            scalar_args=op.scalars,
         )
 
-    def _creates(
-        self, leaves: list[Any], inputs: list[torch.Tensor], out_flags: list[tuple[int, int, int]], outputs: Any
-    ) -> bool:
+    def _creates(self, inputs: list[Flags], outputs: list[Flags]) -> bool:
+        """Whether an op none of whose non-finite inputs came from a candidate made its non-finite output."""
         raise NotImplementedError
 
     def _where(self) -> tuple[Optional[str], Optional[SourceLocation]]:
         return None, user_location()
 
+    # -- the end of the call ----------------------------------------------------------------------------------
+    def finish(self, output: Any) -> None:
+        """Name the op whose non-finite values reach ``output`` (what the zoomed call returned: a module's
+        output, the loss). The first non-finite floating tensor in ``output`` that holds a candidate's values
+        decides, in the order :func:`.walk.iter_tensors` walks it (the order the origin names its outputs)."""
+        if self._done:
+            return
+        self._done = True  # the reads below are the zoom's own
+        try:
+            # Outside the dispatch, the zoom's reads would be autograd ops: recorded in the graph, and counted
+            # as saved tensors by a non-reentrant checkpoint around the call.
+            with torch.no_grad():
+                first, union = self._flow.reaching(t for _, t in iter_tensors(output, "out"))
+            self._name(first, union)
+        except Exception as exc:
+            self.error = self.error or f"the call's output: {type(exc).__name__}: {exc}"
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        super().__exit__(exc_type, exc_val, exc_tb)
+        if self._done:
+            return
+        self._done = True
+        try:
+            reached = self._flow.sinks(alive_only=self.outputs_outlive_call)
+            self._name(reached, reached)
+        except Exception as exc:
+            self.error = self.error or f"the call's output: {type(exc).__name__}: {exc}"
+
+    def _name(self, reaching: frozenset[int], reached: frozenset[int]) -> None:
+        """The first candidate in ``reaching`` is the op; those in none of ``reached`` were discarded."""
+        candidates = self._flow.candidates
+        if not reaching:
+            return  # the bad output holds no candidate's values (an explicit inf constant, a -inf mask)
+        discarded = tuple(c.finding for c in candidates if c.index not in reached)
+        self.finding = dataclasses.replace(candidates[min(reaching)].finding, discarded=discarded)
+
 
 class OpZoom(_Zoom):
-    """Forward, inside the origin call: the first op with a non-finite output whose inputs had no NaN or +inf.
+    """Forward, inside the origin call: an op makes a value when its output is non-finite while the inputs it
+    used held no NaN or +inf (and none came from a candidate).
 
-    An op that fills an explicit ``-inf`` constant (``masked_fill(-inf)``) or passes a ``-inf`` mask on creates
-    nothing; a finite constant too large for the format (``masked_fill(-1e9)`` in float16) does.
+    An op that fills an explicit ``-inf`` constant (``masked_fill(-inf)``) or passes a ``-inf`` mask on makes
+    nothing; a finite constant too large for the format (``masked_fill(-1e9)`` in float16) does, and so does
+    an op that turns a ``-inf`` mask into NaN (softmax of a row that is masked everywhere).
     """
 
-    def _creates(
-        self, leaves: list[Any], inputs: list[torch.Tensor], out_flags: list[tuple[int, int, int]], outputs: Any
-    ) -> bool:
-        if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
-            return False
-        in_flags = [_value_flags(t) for t in inputs]
-        if any(nan or posinf for nan, posinf, _ in in_flags):
-            return False  # propagation of an existing NaN/inf
-        made_nan_or_posinf = any(nan or posinf for nan, posinf, _ in out_flags)
-        return made_nan_or_posinf or not any(neginf for _, _, neginf in in_flags)
+    def _creates(self, inputs: list[Flags], outputs: list[Flags]) -> bool:
+        if any(f[0] or f[1] for f in inputs):
+            return False  # an existing NaN/inf passed on
+        return any(f[0] or f[1] for f in outputs) or not any(f[2] for f in inputs)
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?:\s*(?P<code>[^\n]*))?')
@@ -171,35 +215,27 @@ def forward_location(node: Any) -> Optional[SourceLocation]:
 
 
 class BackwardZoom(_Zoom):
-    """Backward: the first op that makes a kind of non-finite value (NaN, or inf) that none of its inputs holds,
-    and none of whose inputs was made non-finite by an earlier backward op.
+    """Backward: an op makes a value when it outputs a kind of non-finite value (NaN, or inf) that none of the
+    inputs it used holds, and none of its non-finite inputs came from a candidate.
 
     Saved forward values may hold inf (``exp`` in the untaken branch of a ``torch.where``): passing them on
-    creates nothing, but multiplying them by a zero gradient *creates* the NaN. Needs anomaly mode in the
+    makes nothing, but multiplying them by a zero gradient *makes* the NaN. A non-finite gradient that a later
+    backward op discards (the ``where`` backward zeroes it) is not the origin. Needs anomaly mode in the
     forward for the forward line.
     """
 
     direction: Direction = "backward"
+    outputs_outlive_call = False
 
     def __init__(self) -> None:
         super().__init__("", 0)
-        self._made_bad: dict[int, weakref.ref[torch.Tensor]] = {}
 
-    def _creates(
-        self, leaves: list[Any], inputs: list[torch.Tensor], out_flags: list[tuple[int, int, int]], outputs: Any
-    ) -> bool:
-        inherited = any((ref := self._made_bad.get(id(t))) is not None and ref() is t for t in inputs)
-        in_flags = [_value_flags(t) for t in inputs]
-        input_nan = any(nan for nan, _, _ in in_flags)
-        input_inf = any(posinf or neginf for _, posinf, neginf in in_flags)
-        made_nan = any(nan for nan, _, _ in out_flags)
-        made_inf = any(posinf or neginf for _, posinf, neginf in out_flags)
-        created = not inherited and ((made_nan and not input_nan) or (made_inf and not input_inf))
-        if created or inherited:  # a saved inf merely passed on (detach, view) is not a bad gradient yet
-            for t, flags in zip(outputs, out_flags):
-                if sum(flags):
-                    self._made_bad[id(t)] = weakref.ref(t)
-        return created
+    def _creates(self, inputs: list[Flags], outputs: list[Flags]) -> bool:
+        input_nan = any(f[0] for f in inputs)
+        input_inf = any(f[1] or f[2] for f in inputs)
+        made_nan = any(f[0] for f in outputs)
+        made_inf = any(f[1] or f[2] for f in outputs)
+        return (made_nan and not input_nan) or (made_inf and not input_inf)
 
     def _where(self) -> tuple[Optional[str], Optional[SourceLocation]]:
         node = torch._C._current_autograd_node()

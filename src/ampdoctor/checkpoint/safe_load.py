@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
-from .sniff import Sniffed, pickle_globals, pickle_protocol, sniff
+from .sniff import COMPUTED_GLOBAL, Sniffed, pickle_globals, pickle_protocol, sniff
 
 # Files a directory scan opens (others, such as trainer_state.json, are left alone).
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
@@ -73,6 +73,8 @@ _SCRIPT_MODULES = ("__main__", "__mp_main__")
 def classify_global(name: str) -> GlobalKind:
     """What a global a pickle names can do: a known-harmless data type, code execution, unknown, or no name at
     all (a corrupt file). Imports nothing: a module counts as present only when it is already imported."""
+    if name == COMPUTED_GLOBAL:
+        return "code"  # unknowable before it runs: treated as able to run code
     if not _NAME.fullmatch(name):
         return "corrupt"
     if name in HARMLESS_GLOBALS or _HARMLESS_PATTERN.fullmatch(name):

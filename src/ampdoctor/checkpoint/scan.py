@@ -93,6 +93,7 @@ class _FileScan:
         self.scalers: list[ScalerInfo] = []
         self.formats: dict[str, StorageFormat] = {}
         self.notes: list[str] = []
+        self._containers: dict[int, str] = {}  # id -> name of every list/tuple/dict walked
 
     def visit(self, obj: Any, name: str = "", role: Role = "weights", param: str = "", depth: int = 0) -> None:
         torch = self._torch
@@ -103,6 +104,8 @@ class _FileScan:
             self._add(obj, name, role, param)
         elif isinstance(obj, torch.nn.Module):  # a whole pickled model (only with unsafe_load)
             self.visit(obj.state_dict(), name, role, param, depth + 1)
+        elif isinstance(obj, (Mapping, list, tuple)) and not self._first_visit(obj, name):
+            return  # a container the file references twice (a = [a, a] nested 30 deep is 1.7 KB on disk)
         elif isinstance(obj, Mapping):
             if is_optimizer_state(obj):
                 self._visit_optimizer(obj, name, depth)
@@ -120,6 +123,15 @@ class _FileScan:
         elif type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
             if obj.dtype.kind == "f" and obj.dtype.itemsize in (2, 4, 8):
                 self._add(torch.from_numpy(obj), name, role, param)
+
+    def _first_visit(self, container: Any, name: str) -> bool:
+        """True the first time a container of the loaded object is seen (it stays alive while the file is
+        scanned, so its id is not reused); a second reference to it is not walked again."""
+        key = id(container)
+        if key in self._containers:
+            return False
+        self._containers[key] = name
+        return True
 
     def _add(self, tensor: torch.Tensor, name: str, role: Role, param: str) -> None:
         torch = self._torch

@@ -10,15 +10,14 @@ form adds each finding's ``title`` and ``message`` as the text report words them
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from ..analysis.headroom import headroom_bits
 from ..records import FormatLimits, FrozenMap, TensorStats
-from ..serial import json_object, load_versioned, to_plain
+from ..serial import SavedReport, to_plain
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
 # 1.1: findings hold data (their prose is rendered), tuples, notes, storage formats (float8), exit_code.
@@ -203,8 +202,11 @@ class ModuleSummary:
 
 
 @dataclass(frozen=True)
-class ScanReport:
+class ScanReport(SavedReport):
     """What :func:`scan` found in a checkpoint. ``print(report)`` shows it; ``report.to_json()`` saves it."""
+
+    SCHEMA: ClassVar[str] = SCAN_SCHEMA_VERSION
+    KIND: ClassVar[str] = "scan report"
 
     path: str
     dtype: str  # the format the verdict is about ("float16" or "bfloat16")
@@ -310,17 +312,6 @@ class ScanReport:
             plain["title"] = finding_title(finding, self)
             plain["message"] = finding_message(finding, self)
         return data
-
-    def to_json(self, indent: Optional[int] = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ScanReport:
-        return load_versioned(cls, data, SCAN_SCHEMA_VERSION, "scan report")
-
-    @classmethod
-    def from_json(cls, text: str) -> ScanReport:
-        return cls.from_dict(json_object(text, "scan report"))
 
     # -- rendering ------------------------------------------------------------------------------------------
     def to_text(self, max_rows: int = 20) -> str:

@@ -39,6 +39,8 @@ _MAGIC = (
     (b"GGUF", "a GGUF model file (llama.cpp)"),
     (b"\x7fELF", "an executable program (ELF)"),
 )
+# Stands for a global whose module or name the pickle computes while loading: it cannot be checked beforehand.
+COMPUTED_GLOBAL = "<a global whose name is computed while loading>"
 # Opcodes that push a string (a STACK_GLOBAL takes its module and name from the last two).
 _STRING_OPS = frozenset(
     {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
@@ -163,7 +165,9 @@ def pickle_globals(path: Path, sniffed: Sniffed) -> tuple[list[str], str]:
                 recent.append(None)
             elif kind == "STACK_GLOBAL":
                 if len(recent) == 2 and recent[0] is not None and recent[1] is not None:
-                    names.append(f"{recent[0]}.{recent[1]}")  # else computed: the unpickler judges it
+                    names.append(f"{recent[0]}.{recent[1]}")
+                else:  # a name built at load time (str(...) of something): nothing can check it in advance
+                    names.append(COMPUTED_GLOBAL)
                 recent = [None]
             elif kind in _STRING_OPS:
                 recent.append(arg if isinstance(arg, str) else bytes(arg).decode("latin-1"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -130,7 +131,7 @@ def _checkpoint_scale(
 
 def _saved_from_cuda(saved_on: Mapping[str, int], device_type: str) -> list[str]:
     """The device-honesty note for a diagnosis off CUDA of a checkpoint saved from CUDA."""
-    from ..capture.policy import saved_from_cuda_note
+    from ..policy import saved_from_cuda_note
 
     cuda = sorted(d for d in saved_on if d.startswith("cuda"))
     return [saved_from_cuda_note(cuda, device_type)] if cuda and device_type != "cuda" else []
@@ -146,8 +147,20 @@ def run_diagnose(args: argparse.Namespace) -> int:
     with progress_for(args) as progress, warnings_as_notes() as warned:
         progress.stage("starting (importing torch)")
         report = _run_diagnose(args, plan, globals_, progress)
+    inputs += _source_files(args)  # -o must not replace the factory's (or loss's) own source either
     emit(render(with_notes(report, warned), args.format), args.output, inputs)
     return report.exit_code
+
+
+def _source_files(args: argparse.Namespace) -> list[str]:
+    """The files of the modules ``--model`` and ``--loss`` were imported from."""
+    files = []
+    for spec in (args.model, args.loss):
+        module = sys.modules.get((spec or "").partition(":")[0])
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            files.append(path)
+    return files
 
 
 def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list[str], progress: Progress) -> Report:

@@ -10,6 +10,14 @@ from ..analysis import Findings, Origin
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
 
 
+def scale_literal(scale: float) -> str:
+    """A loss scale as Python that evaluates to it exactly: 65536.0, or 2.0**40 for large powers of two."""
+    exponent = math.log2(scale) if scale > 0 else math.nan
+    if exponent.is_integer() and abs(exponent) > 16:
+        return f"2.0**{int(exponent)}"
+    return repr(float(scale))
+
+
 def fallback_snippet(modules: list[str], device_type: str) -> str:
     names = ", ".join(repr(m) for m in modules)
     return (
@@ -164,7 +172,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
                     + ("GradScaler's skip-and-back-off handles this; optionally start lower"
                        if harmless else "GradScaler would have to back off to a scale that loses gradients")
                 ),
-                snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={safe:g})",
+                snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={scale_literal(safe)})",
             )
         )
         if not harmless and bwd is not None and bwd.module != LOSS:
@@ -207,7 +215,7 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
                 modules=tuple(s.module for s in under.spots[:5]),
                 title=f"{under.share:.1%} of gradient values underflow to zero at scale {run.scale:g}: "
                 f"raise the loss scale ({under.reference})",
-                snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={bigger:g})",
+                snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={scale_literal(bigger)})",
             )
         )
         bf16 = _bf16(run)
@@ -220,7 +228,8 @@ def recommend(findings: Findings, run: RunInfo, modules: Optional[list[ModuleInf
                 modules=(),
                 title=f"the loss scale {run.scale:g} is outside the measured window "
                 f"[{window.min_useful:g}, {window.max_safe:g}]",
-                snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={window.max_safe:g})",
+                snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, "
+                f"init_scale={scale_literal(window.max_safe)})",
             )
         )
     for near in findings.near_limit:

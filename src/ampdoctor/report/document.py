@@ -68,9 +68,14 @@ def describe_origin(origin: Origin, origin_scale: float = 1.0) -> list[str]:
     if origin.module == BATCH:
         return [f"{title}: the batch itself ({origin.tensor} {describe_bad(origin.bad)}); nothing in the model ran yet"]
     if origin.module == LOSS:
+        output = (
+            f"model output finite, |x|max {fmt_num(origin.input_abs_max)}"
+            if origin.exact
+            else "the model's output is of a type ampdoctor cannot inspect, so this is only where the non-finite "
+            "value was first seen"
+        )
         head = (
-            f"{title}: the loss function (model output finite, |x|max {fmt_num(origin.input_abs_max)}; "
-            f"loss {describe_bad(origin.bad)})"
+            f"{title}: the loss function ({output}; loss {describe_bad(origin.bad)})"
             if origin.direction == "forward"
             else f"{title}: outside the model: the gradient of the loss reaching the model is already non-finite"
         )
@@ -78,18 +83,34 @@ def describe_origin(origin: Origin, origin_scale: float = 1.0) -> list[str]:
     else:
         exact = "" if origin.exact else " (approximate: no call matched the origin rule; first non-finite call)"
         lines = [f"{title}: {origin.label} ({origin.class_name}){exact}"]
-        received = "inputs" if origin.direction == "forward" else "incoming gradient"
-        lines.append(
-            f"  {received} finite (|x|max {fmt_num(origin.input_abs_max)}); "
-            f"its own code made {origin.tensor} non-finite: {describe_bad(origin.bad)}"
-        )
+        if origin.direction == "forward":
+            received = f"inputs finite (|x|max {fmt_num(origin.input_abs_max)})"
+        else:  # recorded unscaled; the op line below shows what the scaled backward held
+            held = None if origin.input_abs_max is None else origin.input_abs_max * origin_scale
+            received = (
+                f"incoming gradient finite (|x|max {fmt_num(origin.input_abs_max)} unscaled, "
+                f"{fmt_num(held)} as held at scale {origin_scale:g})"
+            )
+        lines.append(f"  {received}; its own code made {origin.tensor} non-finite: {describe_bad(origin.bad)}")
     if origin.op is not None:
         lines.append("  " + describe_op_head(origin.op))
         if origin.op.location is not None:
             lines.append(f"    {describe_where(origin.op, origin.op.location)}: {origin.op.location.code}")
+    if origin.op is not None and origin.op.discarded:
+        lines.append(f"  note: also made and then discarded (not the cause): {discarded_text(origin.op)}")
     if origin.policy_note:
         lines.append(f"  note: {origin.policy_note}")
     return lines
+
+
+def discarded_text(op: OpFinding) -> str:
+    """The non-finite values the call made and discarded, one entry per op and line: 'aten::log at t5.py:88 (x2)'."""
+    counts: dict[str, int] = {}
+    for d in op.discarded:
+        where = f" at {os.path.basename(d.location.file)}:{d.location.line}" if d.location is not None else ""
+        key = f"{d.op}{where}"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(key + (f" (x{n})" if n > 1 else "") for key, n in counts.items())
 
 
 def cost_text(rec: Recommendation) -> Optional[str]:

@@ -21,6 +21,7 @@ from .document import (
     alerts,
     describe_bad,
     describe_origin,
+    discarded_text,
     divergence_lines,
     failed_passes,
     fmt_num,
@@ -126,6 +127,8 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
             items.append(
                 (where, f"{_code(f'{loc.file}:{loc.line}')} in {_code(loc.function)}<pre>{_e(loc.code)}</pre>")
             )
+    if op is not None and op.discarded:
+        items.append(("made and discarded", _e(f"{discarded_text(op)} (not the cause)")))
     if origin.policy_note:
         items.append(("CPU policy", _e(origin.policy_note)))
     items.append(

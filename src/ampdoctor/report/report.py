@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from ..analysis import Findings, Origin
 from ..records import ModuleInfo, PassTrace, Recommendation, RunInfo, StepRecord, Verdict
-from ..serial import json_object, load_versioned, to_plain
+from ..serial import SavedReport, to_plain
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
-SCHEMA_VERSION = "1.0"
+# 1.1: policy notes, run facts (environment, passes, policy), discarded ops; the watch's divergence, weight norms
+SCHEMA_VERSION = "1.1"
 
 
 @dataclass(frozen=True)
-class Report:
+class Report(SavedReport):
     """What ``diagnose`` found. ``print(report)`` shows it; ``report.to_json()`` saves it."""
+
+    SCHEMA: ClassVar[str] = SCHEMA_VERSION
+    KIND: ClassVar[str] = "report"
 
     run: RunInfo
     modules: tuple[ModuleInfo, ...]
@@ -59,17 +62,6 @@ class Report:
         data: dict[str, Any] = {"verdict": self.verdict, "exit_code": self.exit_code}
         data.update(to_plain(self))
         return data
-
-    def to_json(self, indent: Optional[int] = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Report:
-        return load_versioned(cls, data, SCHEMA_VERSION, "report")
-
-    @classmethod
-    def from_json(cls, text: str) -> Report:
-        return cls.from_dict(json_object(text, "report"))
 
     # -- rendering ------------------------------------------------------------------------------------------
     def to_text(self, max_rows: int = 20) -> str:
