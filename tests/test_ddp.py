@@ -8,6 +8,7 @@ rank 1 went non-finite first and name ``boom`` (without DDP's ``module.`` prefix
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -75,6 +76,10 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         model = nn.parallel.DistributedDataParallel(make_model())
         scaler = torch.amp.GradScaler("cpu")
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        logged: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("ampdoctor").addHandler(handler)
         with ampdoctor.watch(model, scaler, loss_fn=small_loss, bundle_dir=out_dir, stats_every=1) as doctor:
             for step in range(STEPS):
                 bad = rank == BAD_RANK and step >= BAD_FROM_STEP
@@ -96,6 +101,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             "update_restored": "update" not in scaler.__dict__,
             "bundle": str(doctor.bundle_path) if doctor.bundle_path else None,
             "scale": scaler.get_scale(),
+            "logged": logged,
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -120,3 +126,9 @@ def test_two_rank_gloo_run_names_the_rank_and_the_origin(tmp_path: Path) -> None
     assert all(r["hooks_left"] == 0 and r["update_restored"] for r in results)
     assert all(r["scale"] == 2.0**14 for r in results)  # 65536 halved by the two skipped steps on both ranks
     assert results[1]["bundle"] is not None and results[1]["bundle"].endswith("step2-rank1.pt")
+    # said when it happened, by the rank that failed, with its rank: the failure, then its bundle
+    failure, bundle = results[1]["logged"]
+    assert failure.startswith("[rank 1] ampdoctor: step 2: persistent failure, the forward was non-finite")
+    assert "captured: OVERFLOW, forward origin: boom" in failure
+    assert bundle.startswith(f"[rank 1] ampdoctor: step 2: failure bundle written to {results[1]['bundle']} ")
+    assert results[0]["logged"] == []  # rank 0 only skipped the reduced gradients: nothing persistent of its own
