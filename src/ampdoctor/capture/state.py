@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .stats import chunks
+
 
 def _cuda_ready() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -132,19 +134,20 @@ def _storage_key(t: torch.Tensor) -> Optional[int]:
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """Two integer checksums of each tensor's bytes (sum of the bit patterns, and of their squares), computed in
-    chunks on the tensor's device and read back once: a cheap test that nothing wrote a tensor."""
+    """Two integer checksums of each tensor's bytes, computed on the tensor's device and read back once: a cheap
+    test that nothing wrote a tensor. The bit patterns are summed as integers of the element's width and as
+    16-bit halves (int64 accumulators, no full-size temporaries): any single changed element moves the first."""
     sums: list[torch.Tensor] = []
     for t in tensors:
-        flat = t.detach().reshape(-1)
+        flat = t.detach()
         if flat.numel() == 0 or flat.is_complex() or flat.device.type == "meta":
             sums.append(torch.zeros(2, dtype=torch.int64))
             continue
-        bits = flat.view(_INT_OF_SIZE[flat.element_size()]) if flat.element_size() in _INT_OF_SIZE else flat
         total = torch.zeros(2, dtype=torch.int64, device=flat.device)
-        for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
-            chunk = bits[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
-            total += torch.stack((chunk.sum(), (chunk * chunk).sum()))
+        for chunk in chunks(flat, _FINGERPRINT_CHUNK):
+            bits = chunk.view(_INT_OF_SIZE[chunk.element_size()]) if chunk.element_size() in _INT_OF_SIZE else chunk
+            halves = bits.view(torch.int16) if bits.element_size() > 1 else bits
+            total += torch.stack((bits.sum(dtype=torch.int64), halves.sum(dtype=torch.int64)))
         sums.append(total.cpu())
     if not sums:
         return []
