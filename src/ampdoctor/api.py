@@ -83,6 +83,7 @@ class _Session:
         backward_zoom: bool = False,
         compare: Union[bool, int] = False,
         dtype: Optional[torch.dtype] = None,
+        histograms: bool = False,
     ) -> PassTrace:
         spec = self.spec if dtype is None else dataclasses.replace(self.spec, dtype=dtype)
         record = PassRecord(self.purpose, at_scale, dtype_name(spec.dtype) if autocast else "float32")
@@ -94,7 +95,7 @@ class _Session:
         try:
             trace, source = run_pass(
                 spec, at_scale, detailed, zoom, autocast, backward_zoom, compare, self.guard,
-                share=self.share, keep=survey_level, histograms=survey_level,
+                share=self.share, keep=survey_level, histograms=histograms,
             )
         except Exception as exc:
             self.share.release()
@@ -104,7 +105,7 @@ class _Session:
             if self.survey is None and is_out_of_memory(exc):
                 raise _out_of_memory(reason) from exc
             raise
-        self.histograms = self.share.step.histograms if survey_level and self.share.step is not None else {}
+        self.histograms = self.share.histograms if histograms else {}
         self.log.append(dataclasses.replace(record, seconds=time.perf_counter() - start))
         self.loss_sources.append(source)
         if self.survey is None:
@@ -302,8 +303,10 @@ def _diagnose(
     survey = _survey(session, used_scale, reference)
     check_autocast_effect(survey, limits.dtype, "cuda" if spec.policy == "cuda_emulated" else spec.device_type)
     origin = forward_origin(survey)
-    runner = Runner(lambda at_scale, autocast: (session.run(at_scale, autocast=autocast), session.histograms),
-                    fp32_reference)
+    def run(at_scale: float, autocast: bool, histograms: bool) -> tuple[PassTrace, dict[str, list[float]]]:
+        return session.run(at_scale, autocast=autocast, histograms=histograms), session.histograms
+
+    runner = Runner(run, fp32_reference)
     runner.seed(survey, session.histograms)
     scale_finding: Optional[ScaleFinding] = None
     underflow: Optional[UnderflowFinding] = None
@@ -412,13 +415,13 @@ def _survey(session: _Session, used_scale: float, reference: Union[bool, int]) -
     """The first pass. With ``reference`` it also re-runs calls in float32; a module that cannot run in float32
     (a float16-only kernel) costs the comparisons, not the diagnosis."""
     if reference is False:
-        return session.run(used_scale)
+        return session.run(used_scale, histograms=True)
     with session.stage("survey with float32 references"):
         try:
-            return session.run(used_scale, compare=reference)
+            return session.run(used_scale, compare=reference, histograms=True)
         except Exception:
             pass  # in the log; the plain survey below is the diagnosis
-    return session.run(used_scale)
+    return session.run(used_scale, histograms=True)
 
 
 def _verify(

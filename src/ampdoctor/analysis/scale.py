@@ -30,7 +30,8 @@ MAX_WINDOW_EXPONENT = 40
 FP32_REFERENCE = "float32 backward (autocast off)"
 # Binade histograms of parameter gradients, by parameter name (layout: capture.stats.StatsCollector.add_histogram).
 Histograms = Mapping[str, Sequence[float]]
-RunFn = Callable[[float, bool], tuple[PassTrace, Histograms]]
+# run(scale, autocast, histograms): one pass; the histograms only when asked for (they cost a pass over the gradients)
+RunFn = Callable[[float, bool, bool], tuple[PassTrace, Histograms]]
 
 
 class Runner:
@@ -43,13 +44,13 @@ class Runner:
         self.allow_fp32 = allow_fp32
         self.top: Optional[tuple[int, bool]] = None  # (exponent of the largest finite scale, next one measured)
 
-    def __call__(self, scale: float) -> PassTrace:
-        return self._get(scale, True)[0]
+    def __call__(self, scale: float, histograms: bool = False) -> PassTrace:
+        return self._get(scale, True, histograms)[0]
 
-    def _get(self, scale: float, autocast: bool) -> tuple[PassTrace, Histograms]:
+    def _get(self, scale: float, autocast: bool, histograms: bool = False) -> tuple[PassTrace, Histograms]:
         key = (scale, autocast)
         if key not in self._cache:
-            self._cache[key] = self._run(scale, autocast)
+            self._cache[key] = self._run(scale, autocast, histograms)
         return self._cache[key]
 
     def histograms(self, scale: float) -> Histograms:
@@ -62,14 +63,14 @@ class Runner:
         """The same step with autocast off: the ground truth of which gradient values are nonzero."""
         if not self.allow_fp32:
             return None
-        trace = self._get(1.0, False)[0]
+        trace = self._get(1.0, False, True)[0]
         return trace if trace.gradients_finite() else None
 
     def fp32_histograms(self) -> Histograms:
         return self._get(1.0, False)[1] if self.fp32() is not None else {}
 
-    def finite(self, scale: float) -> bool:
-        return self(scale).healthy()
+    def finite(self, scale: float, histograms: bool = False) -> bool:
+        return self(scale, histograms).healthy()
 
     def measured(self, scale: float) -> bool:
         return (scale, True) in self._cache
@@ -96,11 +97,20 @@ def exponent_of(scale: float) -> Optional[int]:
     return exponent - 1 if mantissa == 0.5 else None
 
 
-def predicted_top(trace: PassTrace, limits: FormatLimits) -> int:
+def predicted_top(trace: PassTrace, limits: FormatLimits, modules: Sequence[ModuleInfo] = ()) -> int:
     """The exponent of the largest power-of-two scale at which the largest recorded low-precision gradient of
-    ``trace`` stays below the overflow threshold (exact: a power of two scales it exactly)."""
-    # Only gradients held in the low-precision format can overflow it (statistics are stored unscaled).
-    largest = max((e.stats.abs_max or 0.0 for e in trace.grad_events if e.stats.dtype == limits.dtype), default=0.0)
+    ``trace`` stays below the overflow threshold (exact: a power of two scales it exactly).
+
+    Low-precision gradients are those held in the format, and the parameter gradients of modules that ran in it
+    (a Linear under autocast: its weight gradient is the float16 result of a matmul, cast to float32 after).
+    """
+    low_modules = {c.module for c in trace.calls if any(r.stats.dtype == limits.dtype for r in c.outputs)}
+    owners = param_owners(modules)
+    largest = 0.0
+    for e in trace.grad_events:
+        low = e.stats.dtype == limits.dtype or (e.kind == "param" and owners.get(e.param or "") in low_modules)
+        if low and e.stats.abs_max:
+            largest = max(largest, e.stats.abs_max)
     if largest == 0 or not math.isfinite(largest):
         return MAX_WINDOW_EXPONENT
     exponent = math.floor(math.log2(limits.overflow_threshold / largest))
@@ -111,28 +121,35 @@ def predicted_top(trace: PassTrace, limits: FormatLimits) -> int:
     return max(0, min(MAX_WINDOW_EXPONENT, exponent))
 
 
-def find_top(runner: Runner, base: PassTrace, limits: FormatLimits, known_bad: Optional[int] = None) -> Optional[int]:
+def find_top(
+    runner: Runner,
+    base: PassTrace,
+    limits: FormatLimits,
+    modules: Sequence[ModuleInfo],
+    known_bad: Optional[int] = None,
+) -> Optional[int]:
     """The exponent of the largest finite power-of-two scale, from ``base`` (a finite backward) by arithmetic,
     confirmed by one re-run there (more only when an unrecorded intermediate overflows first). ``known_bad``: an
     exponent already seen non-finite. None when not even scale 1 is finite."""
     if runner.top is not None:
         return runner.top[0]
-    guess = predicted_top(base, limits)
+    guess = predicted_top(base, limits, modules)
     if known_bad is not None:
         guess = min(guess, known_bad - 1)
     base_exponent = exponent_of(base.scale) if base.healthy() else None
     if guess < 0:
         return None
-    if runner.finite(2.0**guess):
+    # The top's backward is the reference for what any scale keeps: its histograms predict the bottom.
+    if runner.finite(2.0**guess, histograms=True):
         top, next_measured = guess, known_bad == guess + 1
     else:
         holds = base_exponent if base_exponent is not None and base_exponent < guess else -1
-        if holds < 0 and guess > 0 and runner.finite(1.0):
+        if holds < 0 and guess > 0 and runner.finite(1.0, histograms=True):
             holds = 0
         if holds < 0:
             runner.top = (-1, True)
             return None
-        top, _ = bisect_exponents(holds, guess, lambda e: runner.finite(2.0**e))
+        top, _ = bisect_exponents(holds, guess, lambda e: runner.finite(2.0**e, histograms=True))
         next_measured = True
     runner.top = (top, next_measured)
     return top
@@ -161,7 +178,7 @@ def probe_scales(runner: Runner, survey: PassTrace, modules: list[ModuleInfo], l
     if not runner.finite(1.0):
         return ScaleFinding(used, (ScaleProbe(1.0, False),), None, None, 1.0)
     bad = math.ceil(math.log2(used))  # 2**bad >= used: known (or assumed) non-finite
-    top = find_top(runner, runner(1.0), limits, known_bad=bad)
+    top = find_top(runner, runner(1.0), limits, modules, known_bad=bad)
     assert top is not None
     best = runner(2.0**top)
     lost = lost_gradients(best, _references(runner, top), modules, _reference_name(runner, top))
@@ -176,9 +193,15 @@ def underflow_reference(
     runner: Runner, survey: PassTrace, modules: list[ModuleInfo], limits: FormatLimits
 ) -> Optional[UnderflowFinding]:
     """Gradient values lost to zero at the used scale, against the backward at the largest finite scale (and a
-    float32 backward when allowed). None when there is no reference: the used scale is already the largest."""
+    float32 backward when allowed). When the used scale is that largest one (predicted), a re-run at twice it
+    confirms that no larger scale keeps more; there is then no same-dtype reference, and None without float32."""
     runner.seed(survey, {})
-    top = find_top(runner, survey, limits)
+    top = find_top(runner, survey, limits, modules)
+    used = exponent_of(survey.scale)
+    if top is not None and used is not None and top == used and runner.top is not None and not runner.top[1]:
+        while top < MAX_WINDOW_EXPONENT and runner.finite(2.0 ** (top + 1), histograms=True):
+            top += 1  # the prediction missed (it is exact for recorded values): step up to what is finite
+        runner.top = (top, True)
     if top is not None and 2.0**top <= survey.scale:
         top = None  # the survey itself: no backward keeps more than it does
     references = _references(runner, top)
@@ -227,7 +250,7 @@ def measure_window(
     base = survey if survey.healthy() else (runner(1.0) if runner.measured(1.0) else None)
     if base is None:
         return None
-    top = find_top(runner, base, limits)
+    top = find_top(runner, base, limits, modules)
     if top is None:
         return None
     references = _references(runner, top)

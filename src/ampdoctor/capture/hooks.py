@@ -304,7 +304,7 @@ class Recorder:
 
     def _receive(self, kind: GradKind, index: int, path: str, via_base: bool, grad: torch.Tensor) -> None:
         try:
-            slot = self.collector.add(grad)
+            slot = self.collector.add_fresh(grad)
             self.grads.append(GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base))
         except Exception as exc:
             self.error = self.error or exc

@@ -88,6 +88,7 @@ class SharedForward:
 
     def __init__(self) -> None:
         self.step: Optional[_Step] = None
+        self.histograms: dict[str, list[float]] = {}  # of the last pass run through ``run_pass(share=...)``
 
     def release(self) -> None:
         step, self.step = self.step, None
@@ -115,7 +116,7 @@ def run_pass(
     ``backward_zoom`` records each autograd node's forward stack (anomaly mode) and finds the backward op that
     made the first non-finite gradient. ``reference`` (True: leaf modules; an int n: the modules n levels down)
     compares each chosen call against a float32 re-run of that call alone. ``histograms``: binade histograms of
-    the parameter gradients (``share.step.histograms`` afterwards, by parameter name).
+    the parameter gradients (``share.histograms`` afterwards, by parameter name).
 
     With ``share``, a survey-level pass keeps its graph there (unless ``keep`` is False), and a later
     survey-level pass of the same spec at another scale runs only its backward on it; any other pass first
@@ -128,7 +129,9 @@ def run_pass(
     key = (id(spec), spec.dtype, detailed, zoom, autocast, backward_zoom, reference, overrides)
     if share is not None and share.step is not None:
         if keep and share.step.key == key and share.step.repeatable:
-            return share.step.backward(scale, keep=True, histograms=histograms), share.step.loss_source
+            trace = share.step.backward(scale, keep=True, histograms=histograms)
+            share.histograms = share.step.histograms
+            return trace, share.step.loss_source
         share.release()
     step = _Step(spec, key, detailed, zoom, autocast, backward_zoom, reference, guard)
     kept = False
@@ -139,8 +142,10 @@ def run_pass(
     finally:
         if not kept:
             step.close()
-    if kept and share is not None:
-        share.step = step
+    if share is not None:
+        share.histograms = step.histograms
+        if kept:
+            share.step = step
     return trace, step.loss_source
 
 
@@ -160,7 +165,8 @@ class _Step:
     ) -> None:
         self.spec, self.key, self.detailed, self.guard = spec, key, detailed, guard
         self.autocast, self.backward_zoom = autocast, backward_zoom
-        self.collector = StatsCollector(spec.dtype, detailed)
+        # Activations and their gradients: min and max at the survey level (zeros only where analysis counts them).
+        self.collector = StatsCollector(spec.dtype, detailed, zeros=False)
         self.float_reference = None
         if reference is not False:
             depth = None if reference is True else int(reference)
@@ -241,7 +247,7 @@ class _Step:
         spec, recorder, loss = self.spec, self.recorder, self.loss
         assert loss is not None
         if self.backwards:
-            self.collector = StatsCollector(spec.dtype, self.detailed)
+            self.collector = StatsCollector(spec.dtype, self.detailed, zeros=False)
             recorder.next_backward(self.collector)
         recorder.histograms = histograms
         inputs = [p for _, p in spec.params if p.requires_grad]

@@ -11,6 +11,7 @@ level reads a tensor in chunks of :data:`CHUNK` elements, so its temporaries sta
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import weakref
@@ -38,6 +39,9 @@ DETAIL_FIELDS = SURVEY_FIELDS + (
 )
 # Detailed statistics are reduced over chunks of this many elements (scratch memory per chunk: a few bytes each).
 CHUNK = 1 << 20
+# Histograms of large tensors go chunk by chunk in pieces this small (their scratch stays in the cache), and
+# tensors up to this size are histogrammed together (``add_many``).
+HIST_CHUNK = BATCH_EACH = 1 << 16
 # Gradient histograms: bin 1 + k - HIST_LOW counts binade 2**k for HIST_LOW <= k < HIST_HIGH; bin 0 everything
 # nonzero below 2**HIST_LOW, the last bin everything finite from 2**HIST_HIGH up.
 HIST_BINS = HIST_HIGH - HIST_LOW + 2
@@ -92,17 +96,19 @@ class StatsCollector:
     ``add`` returns a slot number; the same tensor object at the same version is measured once.
     """
 
-    def __init__(self, low_dtype: torch.dtype, detailed: bool) -> None:
+    def __init__(self, low_dtype: torch.dtype, detailed: bool, zeros: bool = True) -> None:
         self.low_dtype = low_dtype
         self.detailed = detailed
+        self.zeros = zeros  # the survey level counts zeros (False: min and max only, the cheapest record)
         self._limits = format_limits(low_dtype)
-        # Per slot: (dtype name, shape, device or None when not measured, index in its list, detailed).
-        self._slots: list[tuple[str, tuple[int, ...], Optional[torch.device], int, bool]] = []
+        # Per slot: (dtype name, shape, device or None when not measured, index in its lists, level, zero index);
+        # level 0: min/max, 1: min/max and zeros, 2: detailed.
+        self._slots: list[tuple[str, tuple[int, ...], Optional[torch.device], int, int, int]] = []
         self._survey: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
         self._details: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._hists: list[tuple[torch.device, int]] = []
         self._hist_values: dict[torch.device, list[torch.Tensor]] = {}
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, bool, int]] = {}
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int]] = {}
         self._value_groups: list[tuple[torch.device, int, int]] = []
         self._values: dict[torch.device, list[torch.Tensor]] = {}
         self.values: list[list[float]] = []
@@ -110,30 +116,40 @@ class StatsCollector:
         self.readbacks = 0
 
     def add(self, tensor: torch.Tensor, detailed: Optional[bool] = None) -> int:
-        want_detail = self.detailed if detailed is None else detailed
+        level = 2 if (self.detailed if detailed is None else detailed) else int(self.zeros)
         key = id(tensor)
         seen = self._seen.get(key)
         version = tensor._version
-        if seen is not None and seen[1] == version and seen[2] == want_detail and seen[0]() is tensor:
+        if seen is not None and seen[1] == version and seen[2] == level and seen[0]() is tensor:
             return seen[3]
         _internal.depth = getattr(_internal, "depth", 0) + 1
         try:
-            slot = self._measure(tensor.detach(), want_detail)
+            slot = self._measure(tensor.detach(), level)
         finally:
             _internal.depth -= 1
         try:
-            self._seen[key] = (weakref.ref(tensor), version, want_detail, slot)
+            self._seen[key] = (weakref.ref(tensor), version, level, slot)
         except TypeError:  # a tensor subclass without weakref support: measure again next time
             pass
         return slot
 
-    def _measure(self, x: torch.Tensor, detailed: bool) -> int:
+    def add_fresh(self, tensor: torch.Tensor) -> int:
+        """``add`` for a tensor made just now and seen once (a gradient in a hook): no lookup of earlier slots."""
+        _internal.depth = getattr(_internal, "depth", 0) + 1
+        try:
+            return self._measure(tensor.detach() if tensor.requires_grad else tensor,
+                                 2 if self.detailed else int(self.zeros))
+        finally:
+            _internal.depth -= 1
+
+    def _measure(self, x: torch.Tensor, level: int, nonzero: Optional[torch.Tensor] = None) -> int:
         shape = tuple(x.shape)
         if not x.is_floating_point() or x.numel() == 0 or x.is_complex():
-            self._slots.append((dtype_name(x.dtype), shape, None, -1, False))
+            self._slots.append((dtype_name(x.dtype), shape, None, -1, 0, -1))
             return len(self._slots) - 1
         device = x.device
-        if detailed:
+        zindex = -1
+        if level == 2:
             counts, extremes = self._detail(x)
             lists = self._details.get(device)
             if lists is None:
@@ -149,9 +165,11 @@ class StatsCollector:
                 survey = self._survey[device] = ([], [], [])
             survey[0].append(low)
             survey[1].append(high)
-            survey[2].append(torch.count_nonzero(w))  # turned into a zero count in read()
             index = len(survey[0]) - 1
-        self._slots.append((dtype_name(x.dtype), shape, device, index, detailed))
+            if level == 1:  # stored as a nonzero count, turned into a zero count in read()
+                survey[2].append(torch.count_nonzero(w) if nonzero is None else nonzero)
+                zindex = len(survey[2]) - 1
+        self._slots.append((dtype_name(x.dtype), shape, device, index, level, zindex))
         return len(self._slots) - 1
 
     # -- the detailed level, chunk by chunk ---------------------------------------------------------------------
@@ -197,7 +215,7 @@ class StatsCollector:
         everything else into ``histograms``; returns its index there."""
         x = tensor.detach()
         total: Optional[torch.Tensor] = None
-        for c in chunks(x):
+        for c in chunks(x, HIST_CHUNK):
             w = c.float() if c.dtype != torch.float32 else c  # float64 magnitudes beyond float32 go to the ends
             exponent = (w.view(torch.int32) >> 23) & 0xFF  # biased float32 exponent; 0: zero/subnormal, 255: inf/NaN
             part = torch.bincount(exponent.reshape(-1), minlength=256)
@@ -215,43 +233,69 @@ class StatsCollector:
         return len(self._hists) - 1
 
     def add_many(self, tensors: list[torch.Tensor], histograms: bool) -> list[tuple[int, int]]:
-        """Survey-level slots of many small tensors, and their binade histograms (-1 when not asked) computed
-        together: one exponent histogram over their concatenation instead of a dozen small ops per tensor."""
-        slots = [self.add(t, detailed=False) for t in tensors]
-        if not histograms:
-            return [(slot, -1) for slot in slots]
-        batchable = [t for t in tensors if t.dtype in _BATCHABLE and t.numel()]
-        if len(batchable) < 2:
-            return [(slot, self.add_histogram(t) if t.is_floating_point() and t.numel() else -1)
-                    for slot, t in zip(slots, tensors)]
-        rows = iter(self._batch_histograms(batchable).unbind(0))
+        """Survey-level slots (zeros counted) of many tensors that need no gradient, and their binade histograms
+        (-1 when not asked); the small ones computed together over their concatenation (``_batch``)."""
+        batchable = [t for t in tensors if t.dtype in _BATCHABLE and 0 < t.numel() <= BATCH_EACH]
+        if not histograms or len(batchable) < 2:
+            return [
+                (self._measure(t.detach(), 1), self.add_histogram(t) if histograms and _histogrammable(t) else -1)
+                for t in tensors
+            ]
+        batchable.sort(key=lambda t: t.numel())  # equal sizes side by side: one reduction per size
+        measured = self._batch(batchable)
         values = self._hist_values.setdefault(batchable[0].device, [])
         out = []
-        for slot, t in zip(slots, tensors):
-            if t.dtype in _BATCHABLE and t.numel():
-                values.append(next(rows))
-                self._hists.append((t.device, len(values) - 1))
-                out.append((slot, len(self._hists) - 1))
-            else:
-                out.append((slot, self.add_histogram(t) if t.is_floating_point() and t.numel() else -1))
+        for t in tensors:
+            found = measured.get(id(t))
+            if found is None:
+                out.append((self._measure(t.detach(), 1), self.add_histogram(t) if _histogrammable(t) else -1))
+                continue
+            low, high, nonzero, hist = found
+            survey = self._survey.setdefault(t.device, ([], [], []))
+            survey[0].append(low)
+            survey[1].append(high)
+            survey[2].append(nonzero)
+            index, zindex = len(survey[0]) - 1, len(survey[2]) - 1
+            self._slots.append((dtype_name(t.dtype), tuple(t.shape), t.device, index, 1, zindex))
+            values.append(hist)
+            self._hists.append((t.device, len(values) - 1))
+            out.append((len(self._slots) - 1, len(self._hists) - 1))
         return out
 
     @staticmethod
-    def _batch_histograms(tensors: list[torch.Tensor]) -> torch.Tensor:
-        """[len(tensors), HIST_BINS] histograms of small tensors, from one bincount over their concatenation."""
+    def _batch(tensors: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, ...]]:
+        """By ``id``: (min, max, nonzero count, histogram) of small same-device tensors sorted by size, from their
+        concatenation (float32): per run of equal sizes one amin, amax and count_nonzero, and one bincount of
+        the float32 sign-and-exponent fields for all."""
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])  # promotes to float32 when mixed
+            flat = torch.cat([t.reshape(-1) for t in tensors])  # promotes to float32 when mixed
             if flat.dtype != torch.float32:
                 flat = flat.float()
             lengths = tuple(t.numel() for t in tensors)
-            bits = flat.view(torch.int32)
-            # Bin 256 of each tensor's row counts its zeros, the others the biased float32 exponents.
-            exponent = torch.where((bits & 0x7FFFFFFF) == 0, 256, (bits >> 23) & 0xFF)
-            key = _segment_offsets(lengths, flat.device) + exponent
-            total = torch.bincount(key, minlength=257 * len(tensors)).view(len(tensors), 257)
+            # bits >> 23 is the sign-and-exponent field, sign-extended: -256..255; each tensor gets 512 bins.
+            total = torch.bincount((flat.view(torch.int32) >> 23) + _offsets(lengths, flat.device),
+                                   minlength=512 * len(tensors))
+            total = total.view(len(tensors), 2, 256).sum(1)  # both signs
             low, high = HIST_LOW + _FP32_BIAS, HIST_HIGH + _FP32_BIAS
-            below = total[:, :low].sum(1, keepdim=True)  # exponent 0 here holds float32 subnormals only
-            return torch.cat((below, total[:, low:high], total[:, high:255].sum(1, keepdim=True)), 1)
+            below = total[:, 1:low].sum(1, keepdim=True)  # exponent 0: zeros and float32 subnormals, see below
+            hists = torch.cat((below, total[:, low:high], total[:, high:255].sum(1, keepdim=True)), 1)
+            mins: list[torch.Tensor] = []
+            maxs: list[torch.Tensor] = []
+            nonzero: list[torch.Tensor] = []
+            start = 0
+            for size, run in itertools.groupby(lengths):
+                count = len(list(run))
+                block = flat[start : start + size * count].view(count, size)
+                mins += block.amin(dim=1).unbind(0)  # (aminmax along a dimension is far slower here)
+                maxs += block.amax(dim=1).unbind(0)
+                nonzero.append(torch.count_nonzero(block, dim=1))
+                start += size * count
+            counts = torch.cat(nonzero)
+            # Nonzero values with exponent 0 are float32 subnormals: below every binade kept.
+            hists[:, 0] += total[:, 0] - (torch.tensor(lengths, device=flat.device) - counts)
+            rows = hists.unbind(0)
+            nonzero_each = counts.unbind(0)
+            return {id(t): (mins[i], maxs[i], nonzero_each[i], rows[i]) for i, t in enumerate(tensors)}
 
     def add_values(self, values: list[torch.Tensor]) -> int:
         """Queue a group of 0-d tensors (same device) for the same single readback; see ``values``."""
@@ -276,7 +320,7 @@ class StatsCollector:
             parts: list[tuple[str, torch.Tensor, int]] = []
             survey = self._survey.get(device)
             if survey:
-                parts += [(name, torch.stack(values).to(wide), 1) for name, values in zip(SURVEY_FIELDS, survey)]
+                parts += [(n, torch.stack(values).to(wide), 1) for n, values in zip(SURVEY_FIELDS, survey) if values]
             detail = self._details.get(device)
             if detail and detail[0]:
                 parts.append(("counts", torch.stack(detail[0]).to(wide).reshape(-1), len(_COUNTS)))
@@ -299,17 +343,19 @@ class StatsCollector:
             host[device] = out
         records: list[TensorStats] = []
         append = records.append
-        for name, shape, where, index, detailed in self._slots:
+        for name, shape, where, index, level, zindex in self._slots:
             if where is None:
                 append(TensorStats(name, shape))
                 continue
             data = host[where]
-            if detailed:
+            if level == 2:
                 append(_detailed_record(name, shape, data["counts"][index], data["extremes"][index]))
-            else:  # the common case, kept lean: one record per tensor of every pass
-                nonzero = data["zero_count"][index]
+            elif level == 1:
+                nonzero = data["zero_count"][zindex]
                 append(TensorStats(name, shape, data["min"][index], data["max"][index],
                                    math.prod(shape) - int(nonzero)))
+            else:  # the common case, kept lean: a record per tensor of every pass
+                append(TensorStats(name, shape, data["min"][index], data["max"][index]))
         self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]
         self.histograms = [host[device]["hists"][index] for device, index in self._hists]
         return records
@@ -322,18 +368,20 @@ _BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
 _OFFSETS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
-def _segment_offsets(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``257 * i`` for every element of the ``i``-th of consecutive segments (cached: a model's parameter layout
-    comes back in every backward)."""
+def _histogrammable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.numel() > 0 and not t.is_complex()
+
+
+def _offsets(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``512 * i + 256`` for every element of the ``i``-th of consecutive segments (cached: a model's parameter
+    layout comes back in every backward)."""
     key = (lengths, device)
     found = _OFFSETS.get(key)
     if found is None:
         if len(_OFFSETS) > 64:
             _OFFSETS.clear()
-        counts = torch.tensor(lengths, device=device)
-        found = _OFFSETS[key] = torch.repeat_interleave(
-            torch.arange(0, 257 * len(lengths), 257, dtype=torch.int32, device=device), counts
-        )
+        starts = torch.arange(256, 512 * len(lengths), 512, dtype=torch.int32, device=device)
+        found = _OFFSETS[key] = torch.repeat_interleave(starts, torch.tensor(lengths, device=device))
     return found
 
 
