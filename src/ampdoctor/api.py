@@ -299,7 +299,9 @@ def _diagnose(
 ) -> Report:
     spec = session.spec
     limits = format_limits(spec.dtype)
-    modules = capture_params(spec, [(name, m) for name, m in spec.root.named_modules()])
+    named = list(spec.root.named_modules())
+    # Parameters at the survey level (min, max, zeros); in detail only when a detailed re-run follows.
+    modules = capture_params(spec, named, detailed=False)
     survey = _survey(session, used_scale, reference)
     check_autocast_effect(survey, limits.dtype, "cuda" if spec.policy == "cuda_emulated" else spec.device_type)
     origin = forward_origin(survey)
@@ -343,6 +345,7 @@ def _diagnose(
         detail = lambda: session.run(at_scale, detailed=True, zoom=zoom, backward_zoom=scale_finding is not None)  # noqa: E731
         # Without the detailed re-run the report stands on the survey (no op zoom, survey-level counts).
         final = session.optional("detail and op zoom", detail, survey)
+        modules = capture_params(spec, named)
     notes: list[str] = []
     if session.loss_sources[0] == "surrogate" and survey.backward_ran:
         notes.append(

@@ -413,9 +413,10 @@ def _unscaled(stats: TensorStats, scale: float) -> TensorStats:
     return TensorStats(stats.dtype, stats.shape, stats.min / scale, stats.max / scale, stats.zero_count)
 
 
-def capture_params(spec: PassSpec, modules: list[tuple[str, nn.Module]]) -> list[ModuleInfo]:
-    """Detailed statistics of every module's own parameters, read back at once (they do not change per pass)."""
-    collector = StatsCollector(spec.dtype, detailed=True)
+def capture_params(spec: PassSpec, modules: list[tuple[str, nn.Module]], detailed: bool = True) -> list[ModuleInfo]:
+    """Statistics of every module's own parameters, read back at once (they do not change per pass): min, max and
+    zeros, or every detailed statistic."""
+    collector = StatsCollector(spec.dtype, detailed=detailed)
     canonical = {id(p): name for name, p in spec.params}
     layout = []
     for name, module in modules:

@@ -189,15 +189,16 @@ class StatsCollector:
         inf = math.inf
         limits = self._limits
         a = w.abs()
+        count = torch.count_nonzero  # (a bool tensor's sum() converts every element to int64 first: slower)
         counts = torch.stack(
             (
-                torch.count_nonzero(w),
-                torch.isnan(w).sum(),
-                (w == inf).sum(),
-                (w == -inf).sum(),
-                (a < limits.tiny).sum(),  # zeros included (subtracted in read); NaN compares false
-                (a <= limits.flush_threshold).sum(),  # zeros included
-                (a >= limits.overflow_threshold).sum(),  # infinities included
+                count(w),
+                count(torch.isnan(w)),
+                count(w == inf),
+                count(w == -inf),
+                count(a < limits.tiny),  # zeros included (subtracted in read); NaN compares false
+                count(a <= limits.flush_threshold),  # zeros included
+                count(a >= limits.overflow_threshold),  # infinities included
             )
         )
         extremes = torch.stack(
