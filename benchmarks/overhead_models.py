@@ -31,11 +31,16 @@ class Case:
     boom: str  # the module whose weight the forward-overflow variant multiplies
 
 
-def _classification_loss(targets: torch.Tensor) -> LossFn:
-    def loss_fn(output: torch.Tensor, batch: Any) -> torch.Tensor:
+def _classifier(
+    name: str, description: str, model: nn.Module, batch: torch.Tensor, classes: int, boom: str, device: torch.device
+) -> Case:
+    """A case whose loss is the cross entropy against random labels (computed in float32, as usual)."""
+    targets = torch.randint(0, classes, (batch.shape[0],), device=device)
+
+    def loss_fn(output: torch.Tensor, _batch: Any) -> torch.Tensor:
         return F.cross_entropy(output.float(), targets)
 
-    return loss_fn
+    return Case(name, description, model.to(device), batch.to(device), loss_fn, boom)
 
 
 class TextClassifier(nn.Module):
@@ -59,18 +64,13 @@ def _encoder(device: torch.device, div: int) -> Case:
     vocab, seq = 200_000, 64
     model = TextClassifier(vocab, d_model=256, layers=4, heads=4, ff=1024, seq=seq, classes=2)
     n = max(1, 8 // div)
-    ids = torch.randint(0, vocab, (n, seq))
-    targets = torch.randint(0, 2, (n,))
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    return Case(
-        "transformer encoder",
+    description = (
         f"BERT-style classifier, {params:.0f}M parameters (vocabulary 200k x d_model 256 = 51M in the embedding; "
-        f"4 layers, 4 heads, ff 1024), batch {n} x {seq} tokens",
-        model.to(device),
-        ids.to(device),
-        _classification_loss(targets.to(device)),
-        "encoder.layers.3.linear1",
+        f"4 layers, 4 heads, ff 1024), batch {n} x {seq} tokens"
     )
+    ids = torch.randint(0, vocab, (n, seq))
+    return _classifier("transformer encoder", description, model, ids, 2, "encoder.layers.3.linear1", device)
 
 
 def _convnet(device: torch.device, div: int) -> Case:
@@ -84,16 +84,9 @@ def _convnet(device: torch.device, div: int) -> Case:
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
     model = nn.Sequential(*layers)
     n = max(2, 32 // div)  # BatchNorm in train mode needs more than one value per channel
-    batch = torch.randn(n, 3, 32, 32)
-    targets = torch.randint(0, 10, (n,))
-    return Case(
-        "convnet + BatchNorm",
-        f"VGG-style, 6 x (conv3x3 + BN + ReLU) at 32/64/128 channels, 32x32 images, batch {n}",
-        model.to(device),
-        batch.to(device),
-        _classification_loss(targets.to(device)),
-        "17",  # the last conv
-    )
+    description = f"VGG-style, 6 x (conv3x3 + BN + ReLU) at 32/64/128 channels, 32x32 images, batch {n}"
+    # boom: the last conv
+    return _classifier("convnet + BatchNorm", description, model, torch.randn(n, 3, 32, 32), 10, "17", device)
 
 
 def _narrow(device: torch.device, div: int) -> Case:
@@ -105,18 +98,11 @@ def _narrow(device: torch.device, div: int) -> Case:
         nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
         nn.init.zeros_(linear.bias)
         layers += [linear, nn.ReLU()]
-    model = nn.Sequential(*layers)
     n = max(1, 64 // div)
-    batch = torch.randn(n, 64)
-    targets = torch.randint(0, 64, (n,))
-    return Case(
-        "200-layer narrow MLP",
-        f"200 x (Linear(64) + ReLU), batch {n}",
-        model.to(device),
-        batch.to(device),
-        _classification_loss(targets.to(device)),
-        "398",
-    )
+    description = f"200 x (Linear(64) + ReLU), batch {n}"
+    # boom: the last Linear
+    return _classifier("200-layer narrow MLP", description, nn.Sequential(*layers), torch.randn(n, 64), 64, "398",
+                       device)
 
 
 CASES: dict[str, Callable[[torch.device, int], Case]] = {"encoder": _encoder, "convnet": _convnet, "narrow": _narrow}

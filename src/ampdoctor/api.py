@@ -267,13 +267,13 @@ def _progress(progress: Union[None, bool, ProgressFn]) -> Iterator[Optional[Prog
         return
     from tqdm.auto import tqdm
 
-    bar = tqdm(desc="ampdoctor", unit="pass", file=sys.stderr, leave=False, dynamic_ncols=True)
+    bar = tqdm(desc="ampdoctor", unit="pass", file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0)
 
     def show(purpose: str, index: int, total: Optional[int]) -> None:
         if total is not None:
             bar.total = total
-        bar.set_description_str(f"ampdoctor: {purpose}", refresh=False)
-        bar.update(index + 1 - bar.n)
+        bar.n = index  # passes done so far; the line names the one starting
+        bar.set_description_str(f"ampdoctor: {purpose}")
 
     try:
         yield show
@@ -353,7 +353,7 @@ def _diagnose(
             "floating outputs); pass loss_fn= for the real gradients"
         )
     notes += [n for n in final.notes if n not in notes]
-    notes += _cost_notes(session, survey, underflow, window, fp32_reference, scale_finding)
+    notes += _cost_notes(session, survey, underflow, fp32_reference, scale_finding)
     emulated = spec.policy == "cuda_emulated"
     run_info = RunInfo(
         torch_version=torch.__version__,
@@ -385,7 +385,6 @@ def _cost_notes(
     session: _Session,
     survey: PassTrace,
     underflow: Optional[UnderflowFinding],
-    window: Optional[ScaleWindow],
     fp32_reference: bool,
     scale_finding: Optional[ScaleFinding],
 ) -> list[str]:
@@ -397,19 +396,19 @@ def _cost_notes(
             f"{len(skipped)} optional pass(es) skipped to stay within the memory limit: "
             + "; ".join(f"{p.purpose} at scale {p.scale:g} ({p.reason})" for p in skipped[:3])
         )
-    counted = underflow is not None or window is not None or scale_finding is not None
-    if survey.backward_ran and not fp32_reference and (counted or survey.gradients_finite()):
+    low = dtype_name(session.spec.dtype)
+    if survey.backward_ran and not fp32_reference and (survey.gradients_finite() or scale_finding is not None):
+        dropped = any(p.purpose == "underflow reference" and p.status != "ran" for p in session.log)
         what = (
-            "gradient values lost to underflow are counted against the backward at the largest finite "
-            f"{dtype_name(session.spec.dtype)} scale"
-            if counted
-            else f"the used scale {survey.scale:g} is already the largest finite one, so no larger scale could "
-            "count gradient values lost to underflow"
+            f"the used scale {survey.scale:g} is already the largest finite one, so no larger {low} scale could "
+            "count gradient values lost to underflow there"
+            if underflow is None and scale_finding is None and not dropped
+            else f"gradient values lost to underflow are counted against the backward at the largest finite {low} "
+            "scale"
         )
         notes.append(
-            f"{what}; values too small for {dtype_name(session.spec.dtype)} at every scale show only against a "
-            f"float32 backward: fp32_reference=True adds one float32 step (about +"
-            f"{describe(pass_estimate(survey, 'float32'))} here)"
+            f"{what}; values too small for {low} at every scale show only against a float32 backward: "
+            f"fp32_reference=True adds one float32 step (about +{describe(pass_estimate(survey, 'float32'))} here)"
         )
     return notes
 

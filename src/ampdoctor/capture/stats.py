@@ -175,7 +175,7 @@ class StatsCollector:
     # -- the detailed level, chunk by chunk ---------------------------------------------------------------------
     def _detail(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Counts (int64, in ``_COUNTS`` order) and (finite_min, finite_max, min_abs_nonzero) of ``x``."""
-        parts = [self._detail_chunk(c) for c in chunks(x)]
+        parts = [self._detail_chunk(c) for c in chunks(x, CHUNK)]
         if len(parts) == 1:
             return parts[0]
         counts = torch.stack([p[0] for p in parts]).sum(0)
