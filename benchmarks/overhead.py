@@ -26,10 +26,11 @@ included) there; survey overhead <= DebugUnderflowOverflow's on the narrow MLP (
     python benchmarks/overhead.py --models narrow      # one model
 
 Peak memory (CPU): RSS high-water mark growth in a fresh process per (model, mode), glibc made to return freed
-memory (``MALLOC_MMAP_THRESHOLD_``, ``malloc_trim``): after a warm-up plain step and ``.grad`` set to None, the
-kernel's peak RSS (VmHWM) is reset to the current RSS (``/proc/self/clear_refs``); the number is VmHWM after the
-measured step (or diagnose) minus that RSS: tensors, autograd graph and Python objects alike. CUDA: the caching
-allocator's peak over the memory allocated before it.
+memory (``MALLOC_MMAP_THRESHOLD_``, ``malloc_trim``): after a warm-up (a plain step, then the measured mode once:
+one-time costs of the process such as kernel caches and lazy imports are not the diagnosis's) and ``.grad`` set to
+None, the kernel's peak RSS (VmHWM) is reset to the current RSS (``/proc/self/clear_refs``); the number is VmHWM
+after the measured step (or diagnose) minus that RSS: tensors, autograd graph and Python objects alike. CUDA: the
+caching allocator's peak over the memory allocated before it.
 """
 
 from __future__ import annotations
@@ -222,10 +223,10 @@ def memory_worker(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     case = build_case(args.case, device, args.batch_div)
     steps = Steps(case, [args.mode])
-    plain_step(case.model, case.batch, case.loss_fn)  # warm-up: thread pools, kernels, allocator
-    if steps.duo_model is not None:
-        plain_step(steps.duo_model, case.batch, case.loss_fn)
-        steps.duo_model.zero_grad(set_to_none=True)
+    # Warm-up: a plain step, then the measured mode once (thread pools, kernels, allocator caches, lazy imports:
+    # one-time costs of the process, not of the step or the diagnosis).
+    plain_step(case.model, case.batch, case.loss_fn)
+    steps(args.mode)
     case.model.zero_grad(set_to_none=True)
     gc.collect()
     if device.type == "cuda":

@@ -18,12 +18,13 @@ FP16 = torch.float16
 
 
 class Counted(nn.Linear):
-    """A Linear(1 -> 4) with weight 1 that counts its forwards."""
+    """A Linear(64 -> 4) with weight 1/64 that counts its forwards (its gradients outweigh its activations, so a
+    survey keeps its graph for the probes)."""
 
     def __init__(self) -> None:
-        super().__init__(1, 4, bias=False)
+        super().__init__(64, 4, bias=False)
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(1 / 64)
         self.forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,17 +41,18 @@ def _passes(report: ampdoctor.Report) -> list[tuple[str, float, str, str]]:
     return [(p.purpose, p.scale, p.dtype, p.status) for p in report.run.passes]
 
 
-# out = x * 1 = 1 per unit in float16; the loss sum(out * C) sends the gradient C * S back to the float16 output,
-# and the weight gradient is exactly that. C = 1.5 * [2**-10, 2**-20, 2**-30, 2**4]:
+# x = ones(1, 64): out = 64 / 64 = 1 per unit in float16; the loss sum(out * C) sends the gradient C * S back to
+# the float16 output, and every weight gradient of unit i is exactly C_i * S (64 per unit). C = 1.5 * [2**-10, 2**-20, 2**-30, 2**4]:
 #   top: 1.5 * 2**4 * S = 24 S stays below 65520 up to S = 2048 (2**11); 4096 gives 98304 -> inf.
 #   bottom: 1.5 * 2**-30 * S flushes to zero while it is below 2**-25: S <= 16; at 32 it rounds to 2**-24.
 C = [1.5 * 2.0**-10, 1.5 * 2.0**-20, 1.5 * 2.0**-30, 1.5 * 2.0**4]
+X = torch.ones(1, 64)
 
 
 def test_healthy_model_survey_plus_two_backwards_on_its_graph() -> None:
     model = Counted()
     before = snapshot(model)
-    report = ampdoctor.diagnose(model, torch.ones(1, 1), loss_fn=_weighted(C), scale=32.0)
+    report = ampdoctor.diagnose(model, X, loss_fn=_weighted(C), scale=32.0)
     assert_untouched(model, before)
     assert report.verdict == "healthy" and report.recommendations == ()
     # The top predicted from the survey's largest gradient (24 * 32 = 768) and confirmed at 2048; the bottom
@@ -68,26 +70,43 @@ def test_healthy_model_survey_plus_two_backwards_on_its_graph() -> None:
     # 16, 32 and 2048 measured; 4096 follows from 24 * 4096 >= 65520 by exact power-of-two arithmetic
     assert probes == {16.0: (True, 0.25), 32.0: (True, 0.0), 2048.0: (True, 0.0), 4096.0: (False, None)}
     under = report.findings.underflow
-    assert under is not None and (under.lost, under.reference_nonzero) == (0, 4)
+    assert under is not None and (under.lost, under.reference_nonzero) == (0, 256)
+
+
+def test_where_activations_outweigh_the_gradients_each_probe_runs_its_own_forward() -> None:
+    # 256 rows through a Linear(64 -> 4): the output (2 KiB in float16) outweighs the weight's gradient (1 KiB), so
+    # keeping the graph through the backward would cost more than a training step holds: the forward re-runs.
+    # (The loss gradient C / 256 * S reaching the output flushes in float16 below S = 8 before any weight sees it:
+    # the parameter histograms predict the bottom too low, and the window bisects up to it with re-runs.)
+    model = Counted()
+    report = ampdoctor.diagnose(model, X.expand(256, 64), loss_fn=_weighted([c / 256 for c in C]), scale=32.0)
+    assert [(p.purpose, p.scale) for p in report.run.passes] == [
+        ("survey", 32.0), ("underflow reference", 2048.0),
+        ("loss-scale window", 1.0), ("loss-scale window", 4.0), ("loss-scale window", 8.0),
+    ]
+    assert model.forwards == len(report.run.passes)
+    window = report.findings.window
+    assert window is not None and (window.min_useful, window.max_safe) == (8.0, 2048.0)
+    assert window.module_min_useful == {"": 8.0}  # never below a scale measured to lose
 
 
 def test_lost_values_are_counted_exactly_against_the_largest_finite_scale() -> None:
-    report = ampdoctor.diagnose(Counted(), torch.ones(1, 1), loss_fn=_weighted(C), scale=8.0)
+    report = ampdoctor.diagnose(Counted(), X, loss_fn=_weighted(C), scale=8.0)
     # The same backward by hand at the used scale and at the reference scale 2048.
-    layer = nn.Linear(1, 4, bias=False)
+    layer = nn.Linear(64, 4, bias=False)
     with torch.no_grad():
-        layer.weight.fill_(1.0)
+        layer.weight.fill_(1 / 64)
     grads = []
     for scale in (8.0, 2048.0):
         with torch.autocast("cpu", dtype=FP16):
-            out = layer(torch.ones(1, 1))
+            out = layer(X)
         (grad,) = torch.autograd.grad(_weighted(C)(out, None) * scale, [layer.weight])
         grads.append(grad)
     at_used, reference = grads
     under = report.findings.underflow
     assert under is not None and under.reference == "backward at scale 2048, the largest finite"
-    assert under.lost == int(((reference != 0) & (at_used == 0)).sum()) == 1
-    assert under.reference_nonzero == int((reference != 0).sum()) == 4
+    assert under.lost == int(((reference != 0) & (at_used == 0)).sum()) == 64
+    assert under.reference_nonzero == int((reference != 0).sum()) == 256
     assert report.verdict == "underflow"  # 25 % >= 5 %
     assert any("fp32_reference=True adds one float32 step" in n for n in report.run.notes)
 
@@ -95,21 +114,21 @@ def test_lost_values_are_counted_exactly_against_the_largest_finite_scale() -> N
 def test_float32_reference_is_opt_in_and_sees_what_no_scale_keeps() -> None:
     # 2**-40 * S needs S >= 2**16 to survive while 2**4 * S overflows from 4096: lost at every float16 scale.
     spread = [2.0**-40, 2.0**-40, 2.0**-40, 2.0**4]
-    default = ampdoctor.diagnose(Counted(), torch.ones(1, 1), loss_fn=_weighted(spread), scale=1024.0)
+    default = ampdoctor.diagnose(Counted(), X, loss_fn=_weighted(spread), scale=1024.0)
     assert all(p.dtype != "float32" for p in default.run.passes)
     assert default.findings.window is not None and not default.findings.window.empty  # blind without float32
-    opted = ampdoctor.diagnose(Counted(), torch.ones(1, 1), loss_fn=_weighted(spread), scale=1024.0,
+    opted = ampdoctor.diagnose(Counted(), X, loss_fn=_weighted(spread), scale=1024.0,
                                fp32_reference=True)
     assert ("underflow reference", 1.0, "float32", "ran") in _passes(opted)
     under = opted.findings.underflow
-    assert under is not None and (under.lost, under.reference_nonzero) == (3, 4)  # vs float32: 3 values lost
+    assert under is not None and (under.lost, under.reference_nonzero) == (192, 256)  # vs float32: 3 of 4 rows
     assert opted.findings.window is not None and opted.findings.window.empty
 
 
 def test_used_scale_at_the_top_is_confirmed_one_scale_up() -> None:
     # 24 * 2048 = 49152 fits, 24 * 4096 does not: the used scale 2048 is the top, confirmed by a backward at 4096.
     # 49152 is within a bit of the float16 max: the near-limit warning asks for the detailed re-run.
-    report = ampdoctor.diagnose(Counted(), torch.ones(1, 1), loss_fn=_weighted(C), scale=2048.0)
+    report = ampdoctor.diagnose(Counted(), X, loss_fn=_weighted(C), scale=2048.0)
     assert _passes(report) == [
         ("survey", 2048.0, "float16", "ran"),
         ("underflow reference", 4096.0, "float16", "ran"),
@@ -125,7 +144,7 @@ def test_used_scale_at_the_top_is_confirmed_one_scale_up() -> None:
 def test_scale_overflow_probes_one_then_the_predicted_top() -> None:
     # At 65536 the output gradient 24 * 65536 is inf. Scale 1 is finite; its largest gradient 24 predicts 2048.
     model = Counted()
-    report = ampdoctor.diagnose(model, torch.ones(1, 1), loss_fn=_weighted(C))
+    report = ampdoctor.diagnose(model, X, loss_fn=_weighted(C))
     assert report.verdict == "scale_overflow"
     scale = report.findings.scale
     assert scale is not None and scale.largest_finite_scale == 2048.0 and scale.harmless

@@ -51,6 +51,7 @@ T = TypeVar("T")
 # progress(purpose, index, total): called as each pass starts (index from 0; total None: not known in advance).
 ProgressFn = Callable[[str, int, Optional[int]], None]
 SURVEY = "survey"
+_PROBING = (SURVEY, "scale probe", "underflow reference", "loss-scale window")
 
 
 class _Skipped(Exception):
@@ -88,6 +89,8 @@ class _Session:
         spec = self.spec if dtype is None else dataclasses.replace(self.spec, dtype=dtype)
         record = PassRecord(self.purpose, at_scale, dtype_name(spec.dtype) if autocast else "float32")
         survey_level = dtype is None and autocast and not detailed and compare is False
+        # The graph is kept for the probes at other scales only; a verification re-run drops it at once.
+        keep = survey_level and self.purpose in _PROBING
         self._check_memory(record, detailed, autocast, survey_level)
         if self.progress is not None:
             self.progress(self.purpose, len(self.log), None)
@@ -95,7 +98,7 @@ class _Session:
         try:
             trace, source = run_pass(
                 spec, at_scale, detailed, zoom, autocast, backward_zoom, compare, self.guard,
-                share=self.share, keep=survey_level, histograms=histograms,
+                share=self.share, keep=keep, histograms=histograms,
             )
         except Exception as exc:
             self.share.release()

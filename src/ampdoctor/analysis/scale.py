@@ -14,6 +14,7 @@ scale are visible only against a float32 backward, which the caller may allow (`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -293,14 +294,11 @@ def measure_window(
 
     min_useful: Optional[int] = None
     if useful(top):
-        predicted = next(e for e in range(0, top + 1) if useful(e))
-        min_useful = _settle_bottom(predicted, top, lambda e: e in totals, confirmed)
+        min_useful = _settle_bottom(_lowest(top, useful), top, lambda e: e in totals, confirmed)
     per_module: dict[str, float] = {}
     for info in modules:
-        if info.params:
-            first = next((e for e in range(0, top + 1) if useful(e, info.name)), None)
-            if first is not None:
-                per_module[info.name] = 2.0**first
+        if info.params and useful(top, info.name):
+            per_module[info.name] = 2.0 ** _lowest(top, functools.partial(_useful_for, useful, info.name))
     probes = [WindowProbe(2.0**e, True, totals[e]) for e in totals]
     probes += [WindowProbe(t.scale, False, None) for t in runner.runs() if not t.healthy()]
     if runner.top is not None and not runner.top[1] and top < MAX_WINDOW_EXPONENT:
@@ -314,6 +312,19 @@ def measure_window(
         module_min_useful=FrozenMap(per_module),
         reference=reference,
     )
+
+
+def _useful_for(useful: Callable[[int, Optional[str]], bool], module: str, exponent: int) -> bool:
+    return useful(exponent, module)
+
+
+def _lowest(top: int, useful: Callable[[int], bool]) -> int:
+    """The lowest exponent from which every one up to ``top`` is useful (losses only shrink as the scale grows, so
+    a scale measured to lose bounds every lower one's prediction)."""
+    exponent = top
+    while exponent > 0 and useful(exponent - 1):
+        exponent -= 1
+    return exponent
 
 
 def _settle_bottom(

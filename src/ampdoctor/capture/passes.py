@@ -28,6 +28,9 @@ from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+# A survey keeps its graph for the probes when the parameters' gradients are at least this many times the largest
+# recorded tensor (see _Step.cheap_to_keep).
+KEEP_FACTOR = 4
 
 
 @dataclass
@@ -137,7 +140,7 @@ def run_pass(
     kept = False
     try:
         step.forward()
-        kept = share is not None and keep and step.repeatable
+        kept = share is not None and keep and step.repeatable and step.cheap_to_keep()
         trace = step.backward(scale, keep=kept, histograms=histograms)
     finally:
         if not kept:
@@ -199,6 +202,15 @@ class _Step:
             and not self.recorder.ran_without_grad
             and (self.guard is None or not self.guard.saved)
         )
+
+    def cheap_to_keep(self) -> bool:
+        """Keeping the graph through the backward costs about the activation gradients in flight at its end
+        (a backward frees saved tensors as it goes; a kept graph does not); a pass never holds the parameter
+        gradients that a training step does. Keep it when those gradients outweigh a few of the largest recorded
+        tensors (a large embedding or many weights); re-run the forward instead where activations dominate."""
+        largest = max((self.collector.nbytes(slot) for c in self.recorder.calls for _, slot, _ in c.outputs), default=0)
+        grads = sum(p.numel() * 4 for _, p in self.spec.params if p.requires_grad)
+        return KEEP_FACTOR * largest <= grads
 
     def forward(self) -> None:
         spec, recorder, collector = self.spec, self.recorder, self.collector

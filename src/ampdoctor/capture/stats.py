@@ -361,11 +361,17 @@ class StatsCollector:
         self.histograms = [host[device]["hists"][index] for device, index in self._hists]
         return records
 
+    def nbytes(self, slot: int) -> int:
+        """Bytes of the tensor measured in ``slot`` (from its recorded shape and dtype)."""
+        name, shape = self._slots[slot][:2]
+        return math.prod(shape) * _ITEMSIZE.get(name, 4)
+
     def __len__(self) -> int:
         return len(self._slots)
 
 
 _BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _OFFSETS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
