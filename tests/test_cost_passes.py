@@ -42,7 +42,8 @@ def _passes(report: ampdoctor.Report) -> list[tuple[str, float, str, str]]:
 
 
 # x = ones(1, 64): out = 64 / 64 = 1 per unit in float16; the loss sum(out * C) sends the gradient C * S back to
-# the float16 output, and every weight gradient of unit i is exactly C_i * S (64 per unit). C = 1.5 * [2**-10, 2**-20, 2**-30, 2**4]:
+# the float16 output, and every weight gradient of unit i is exactly C_i * S (64 per unit).
+# C = 1.5 * [2**-10, 2**-20, 2**-30, 2**4]:
 #   top: 1.5 * 2**4 * S = 24 S stays below 65520 up to S = 2048 (2**11); 4096 gives 98304 -> inf.
 #   bottom: 1.5 * 2**-30 * S flushes to zero while it is below 2**-25: S <= 16; at 32 it rounds to 2**-24.
 C = [1.5 * 2.0**-10, 1.5 * 2.0**-20, 1.5 * 2.0**-30, 1.5 * 2.0**4]
@@ -71,6 +72,18 @@ def test_healthy_model_survey_plus_two_backwards_on_its_graph() -> None:
     assert probes == {16.0: (True, 0.25), 32.0: (True, 0.0), 2048.0: (True, 0.0), 4096.0: (False, None)}
     under = report.findings.underflow
     assert under is not None and (under.lost, under.reference_nonzero) == (0, 256)
+
+
+def test_a_bottom_at_scale_one_predicted_with_a_margin_needs_no_re_run() -> None:
+    # C = 1.5 * [2**-4, 2**-6, 2**-8, 2**4]: the top is 2048 again (24 * S), and even at scale 1 the smallest
+    # gradient 1.5 * 2**-8 is far above float16's flush threshold 2**-25: scale 1 is predicted to lose nothing,
+    # weights and the output gradient alike, so the window needs no second re-run.
+    report = ampdoctor.diagnose(Counted(), X, loss_fn=_weighted([1.5 * 2.0**-4, 1.5 * 2.0**-6, 1.5 * 2.0**-8, 24.0]),
+                                scale=32.0)
+    assert _passes(report) == [("survey", 32.0, "float16", "ran"), ("underflow reference", 2048.0, "float16", "ran")]
+    window = report.findings.window
+    assert window is not None and (window.min_useful, window.max_safe) == (1.0, 2048.0)
+    assert window.reference.endswith("scale 1 predicted to lose under 0.1%, not re-run")
 
 
 def test_where_activations_outweigh_the_gradients_each_probe_runs_its_own_forward() -> None:

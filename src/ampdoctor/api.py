@@ -84,7 +84,7 @@ class _Session:
         backward_zoom: bool = False,
         compare: Union[bool, int] = False,
         dtype: Optional[torch.dtype] = None,
-        histograms: bool = False,
+        histograms: int = 0,
     ) -> PassTrace:
         spec = self.spec if dtype is None else dataclasses.replace(self.spec, dtype=dtype)
         record = PassRecord(self.purpose, at_scale, dtype_name(spec.dtype) if autocast else "float32")
@@ -309,7 +309,8 @@ def _diagnose(
     check_autocast_effect(survey, limits.dtype, "cuda" if spec.policy == "cuda_emulated" else spec.device_type)
     origin = forward_origin(survey)
     def run(at_scale: float, autocast: bool, histograms: bool) -> tuple[PassTrace, dict[str, list[float]]]:
-        return session.run(at_scale, autocast=autocast, histograms=histograms), session.histograms
+        # A probe that may be the top is the reference for predictions: every low-precision gradient's histogram.
+        return session.run(at_scale, autocast=autocast, histograms=2 if histograms else 0), session.histograms
 
     runner = Runner(run, fp32_reference)
     runner.seed(survey, session.histograms)
@@ -420,13 +421,13 @@ def _survey(session: _Session, used_scale: float, reference: Union[bool, int]) -
     """The first pass. With ``reference`` it also re-runs calls in float32; a module that cannot run in float32
     (a float16-only kernel) costs the comparisons, not the diagnosis."""
     if reference is False:
-        return session.run(used_scale, histograms=True)
+        return session.run(used_scale, histograms=1)
     with session.stage("survey with float32 references"):
         try:
-            return session.run(used_scale, compare=reference, histograms=True)
+            return session.run(used_scale, compare=reference, histograms=1)
         except Exception:
             pass  # in the log; the plain survey below is the diagnosis
-    return session.run(used_scale, histograms=True)
+    return session.run(used_scale, histograms=1)
 
 
 def _verify(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 from ..records import FormatLimits, FrozenMap, ModuleInfo, PassTrace
-from ..thresholds import HIST_LOW, SCALE_WINDOW_LOSS_SHARE
+from ..thresholds import GRADIENT_KEY, HIST_LOW, SCALE_WINDOW_LOSS_SHARE
 from .findings import ScaleFinding, ScaleProbe, ScaleWindow, UnderflowFinding, WindowProbe
 from .origin import param_owners
 from .underflow import lost_gradients
@@ -29,8 +29,14 @@ from .underflow import lost_gradients
 # Scales above 2**MAX_WINDOW_EXPONENT are never probed (fp16 spans 40 bits from subnormal to max).
 MAX_WINDOW_EXPONENT = 40
 FP32_REFERENCE = "float32 backward (autocast off)"
-# Binade histograms of parameter gradients, by parameter name (layout: capture.stats.StatsCollector.add_histogram).
+# Binade histograms of gradients (layout: capture.stats.StatsCollector.add_histogram): by parameter name, and under
+# GRADIENT_KEY + its order for a gradient held in the low precision (a call's output gradient).
 Histograms = Mapping[str, Sequence[float]]
+# A bottom predicted at scale 1 needs no re-run when its predicted loss is under this share of the window's 1 % and
+# the low-precision gradients together lose under GRADIENTS_LOSING of their values there (a gradient that loses
+# more, such as a flushed loss gradient, loses values before any parameter histogram can see it).
+CONFIDENT = 0.1
+GRADIENTS_LOSING = 0.1
 # run(scale, autocast, histograms): one pass; the histograms only when asked for (they cost a pass over the gradients)
 RunFn = Callable[[float, bool, bool], tuple[PassTrace, Histograms]]
 
@@ -220,22 +226,35 @@ class LossPrediction:
         self.at = at_exponent
         self.flush = flush_exponent
         summed: dict[str, list[float]] = {}
+        self._gradients = [_prefix(hist) for name, hist in histograms.items() if name.startswith(GRADIENT_KEY)]
         for name, hist in histograms.items():
+            if name.startswith(GRADIENT_KEY):
+                continue
             acc = summed.setdefault(owners.get(name, name), [0.0] * len(hist))
             for i, count in enumerate(hist):
                 acc[i] += count
-        self._prefix: dict[str, list[float]] = {}
-        for module, counts in summed.items():
-            prefix = [0.0]
-            for count in counts:
-                prefix.append(prefix[-1] + count)
-            self._prefix[module] = prefix
+        self._prefix = {module: _prefix(counts) for module, counts in summed.items()}
 
-    def lost(self, exponent: int, module: Optional[str] = None) -> float:
+    def _upto(self, exponent: int, prefix: Sequence[float]) -> float:
         # Bin i holds binade k = HIST_LOW + i - 1; lost when k + 1 + (exponent - at) <= flush.
         last = self.flush - (exponent - self.at) - HIST_LOW
+        return prefix[max(0, min(len(prefix) - 1, last + 1))]
+
+    def lost(self, exponent: int, module: Optional[str] = None) -> float:
         modules = self._prefix.values() if module is None else [self._prefix.get(module, [0.0])]
-        return sum(prefix[max(0, min(len(prefix) - 1, last + 1))] for prefix in modules)
+        return sum(self._upto(exponent, prefix) for prefix in modules)
+
+    def gradient_share(self, exponent: int) -> float:
+        """The share of the low-precision gradients' nonzero values they would lose together (0 without any)."""
+        total = sum(p[-1] for p in self._gradients)
+        return sum(self._upto(exponent, p) for p in self._gradients) / total if total else 0.0
+
+
+def _prefix(counts: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for count in counts:
+        out.append(out[-1] + count)
+    return out
 
 
 def measure_window(
@@ -294,7 +313,21 @@ def measure_window(
 
     min_useful: Optional[int] = None
     if useful(top):
-        min_useful = _settle_bottom(_lowest(top, useful), top, lambda e: e in totals, confirmed)
+        predicted = _lowest(top, useful)
+        # The bottom at scale 1 predicted with a wide margin (see CONFIDENT), the used scale not the top: no
+        # re-run. Otherwise one re-run confirms the predicted end.
+        threshold = CONFIDENT * SCALE_WINDOW_LOSS_SHARE
+        if (
+            predicted == 0
+            and 0 not in totals
+            and top != exponent_of(survey.scale)
+            and prediction.lost(0) <= threshold * total_ref
+            and prediction.gradient_share(0) < GRADIENTS_LOSING
+        ):
+            min_useful = 0
+            reference += f"; scale 1 predicted to lose under {threshold:.1%}, not re-run"
+        else:
+            min_useful = _settle_bottom(predicted, top, lambda e: e in totals, confirmed)
     per_module: dict[str, float] = {}
     for info in modules:
         if info.params and useful(top, info.name):

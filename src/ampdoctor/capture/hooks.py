@@ -109,7 +109,7 @@ class Recorder:
         record_grads: bool,
         zoom: Optional[tuple[str, int]] = None,
         reference: Optional[FloatReference] = None,
-        histograms: bool = False,
+        histograms: int = 0,
     ) -> None:
         self.reference = reference
         self.in_backward = False
@@ -117,7 +117,9 @@ class Recorder:
         self.modules = modules
         self.collector = collector
         self.record_grads = record_grads
-        self.histograms = histograms  # binade histograms of parameter gradients (loss-scale predictions)
+        # Binade histograms (loss-scale predictions): 0 none, 1 of parameter gradients, 2 of every gradient held in
+        # the low precision too.
+        self.histograms = histograms
         self.zoom_target = zoom
         self.zoom: Optional[OpZoom] = None
         self._zoom_call: Optional[int] = None
@@ -305,7 +307,10 @@ class Recorder:
     def _receive(self, kind: GradKind, index: int, path: str, via_base: bool, grad: torch.Tensor) -> None:
         try:
             slot = self.collector.add_fresh(grad)
-            self.grads.append(GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base))
+            hist = -1
+            if self.histograms > 1 and grad.dtype == self.collector.low_dtype and grad.numel():
+                hist = self.collector.add_histogram(grad)
+            self.grads.append(GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base, hist))
         except Exception as exc:
             self.error = self.error or exc
 
@@ -325,7 +330,7 @@ class Recorder:
         """Measure the stashed parameter gradients (after a backward, or when the stash is full)."""
         if not self._stash:
             return
-        measured = self.collector.add_many([grad for _, _, grad in self._stash], self.histograms)
+        measured = self.collector.add_many([grad for _, _, grad in self._stash], self.histograms > 0)
         for (order, name, _), (slot, hist) in zip(self._stash, measured):
             self.grads.append(GradSeen(order, "param", slot, None, "grad", name, False, hist))
         self._stash.clear()

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..errors import AmpDoctorError, InternalError, InvalidInput, ModelRaised
 from ..records import LOSS, GradEvent, ModuleCall, ModuleInfo, ParamRecord, PassTrace, TensorRecord, TensorStats
+from ..thresholds import GRADIENT_KEY
 from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hooks import Recorder
@@ -111,7 +112,7 @@ def run_pass(
     *,
     share: Optional[SharedForward] = None,
     keep: bool = True,
-    histograms: bool = False,
+    histograms: int = 0,
 ) -> tuple[PassTrace, str]:
     """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
 
@@ -119,7 +120,8 @@ def run_pass(
     ``backward_zoom`` records each autograd node's forward stack (anomaly mode) and finds the backward op that
     made the first non-finite gradient. ``reference`` (True: leaf modules; an int n: the modules n levels down)
     compares each chosen call against a float32 re-run of that call alone. ``histograms``: binade histograms of
-    the parameter gradients (``share.histograms`` afterwards, by parameter name).
+    the parameter gradients (1), and of every gradient held in the low precision too (2): ``share.histograms``
+    afterwards, by parameter name, and ``GRADIENT_KEY`` + the gradient's order for the others.
 
     With ``share``, a survey-level pass keeps its graph there (unless ``keep`` is False), and a later
     survey-level pass of the same spec at another scale runs only its backward on it; any other pass first
@@ -254,7 +256,7 @@ class _Step:
         self.slots = (batch_slots, output_slots, collector.add(loss))
         self.output, self.loss = output, loss
 
-    def backward(self, scale: float, keep: bool, histograms: bool = False) -> PassTrace:
+    def backward(self, scale: float, keep: bool, histograms: int = 0) -> PassTrace:
         """The scaled backward on this forward's graph, and the pass's records (one readback)."""
         spec, recorder, loss = self.spec, self.recorder, self.loss
         assert loss is not None
@@ -290,9 +292,9 @@ class _Step:
             ) from recorder.error
         stats = self.collector.read()
         self.histograms = {
-            g.param: self.collector.histograms[g.histogram]
+            g.param if g.param is not None else f"{GRADIENT_KEY}{g.order}": self.collector.histograms[g.histogram]
             for g in recorder.grads
-            if g.param is not None and g.histogram >= 0
+            if g.histogram >= 0
         }
         self.backwards += 1
         if self.first is not None:

@@ -49,6 +49,7 @@ _FP32_BIAS = 127
 # Counts computed per chunk by _detail_chunk, in this order; then finite_min, finite_max, min_abs_nonzero.
 _COUNTS = ("nonzero", "nan", "posinf", "neginf", "below_tiny", "at_or_below_flush", "at_or_above_overflow")
 _DIRECT = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_NAMES = {dtype: dtype_name(dtype) for dtype in _DIRECT}
 
 
 def format_limits(dtype: torch.dtype) -> FormatLimits:
@@ -144,8 +145,10 @@ class StatsCollector:
 
     def _measure(self, x: torch.Tensor, level: int, nonzero: Optional[torch.Tensor] = None) -> int:
         shape = tuple(x.shape)
-        if not x.is_floating_point() or x.numel() == 0 or x.is_complex():
-            self._slots.append((dtype_name(x.dtype), shape, None, -1, 0, -1))
+        dtype = x.dtype
+        name = _NAMES.get(dtype) or dtype_name(dtype)
+        if dtype not in _DIRECT and (not x.is_floating_point() or x.is_complex()) or x.numel() == 0:
+            self._slots.append((name, shape, None, -1, 0, -1))
             return len(self._slots) - 1
         device = x.device
         zindex = -1
@@ -158,7 +161,7 @@ class StatsCollector:
             lists[1].append(extremes)
             index = len(lists[0]) - 1
         else:
-            w = x if x.dtype in _DIRECT else x.float()  # float8: few kernels support it; exact in float32
+            w = x if dtype in _DIRECT else x.float()  # float8: few kernels support it; exact in float32
             low, high = torch.aminmax(w)  # one pass; NaN and inf show up in the result
             survey = self._survey.get(device)
             if survey is None:
@@ -169,7 +172,7 @@ class StatsCollector:
             if level == 1:  # stored as a nonzero count, turned into a zero count in read()
                 survey[2].append(torch.count_nonzero(w) if nonzero is None else nonzero)
                 zindex = len(survey[2]) - 1
-        self._slots.append((dtype_name(x.dtype), shape, device, index, level, zindex))
+        self._slots.append((name, shape, device, index, level, zindex))
         return len(self._slots) - 1
 
     # -- the detailed level, chunk by chunk ---------------------------------------------------------------------
