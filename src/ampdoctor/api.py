@@ -54,7 +54,7 @@ SURVEY = "survey"
 _PROBING = (SURVEY, "scale probe", "underflow reference", "loss-scale window")
 
 
-class _Skipped(Exception):
+class PassSkipped(Exception):
     """A pass not run: its estimated peak does not fit the memory limit (logged as "skipped")."""
 
 
@@ -125,7 +125,7 @@ class _Session:
         if needed > self.memory_limit:
             reason = f"estimated peak +{describe(needed)} exceeds the memory limit {describe(self.memory_limit)}"
             self.log.append(dataclasses.replace(record, status="skipped", reason=reason))
-            raise _Skipped(reason)
+            raise PassSkipped(reason)
 
     def close(self) -> None:
         self.share.release()

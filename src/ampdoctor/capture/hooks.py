@@ -337,14 +337,17 @@ class Recorder:
         self._stashed = 0
 
 
-_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_ZEROS: dict[tuple[torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:
     """A zero-stride view of one zero in ``t``'s shape: what a parameter-gradient hook hands on instead of the
-    gradient (the pass never reads the returned gradients)."""
-    key = (t.dtype, t.device)
-    zero = _ZEROS.get(key)
-    if zero is None:
-        zero = _ZEROS[key] = torch.zeros((), dtype=t.dtype, device=t.device)
-    return zero.expand(t.shape)
+    gradient (the pass never reads the returned gradients; autograd copies a view like this before it would
+    accumulate into it). Cached per dtype, device and shape: a model's shapes come back in every backward."""
+    key = (t.dtype, t.device, tuple(t.shape))
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        if len(_ZEROS) > 256:
+            _ZEROS.clear()
+        zeros = _ZEROS[key] = torch.zeros((), dtype=t.dtype, device=t.device).expand(key[2])
+    return zeros

@@ -130,7 +130,8 @@ def run_pass(
     ``torch.autograd.grad`` so no ``.grad`` field is touched.
     """
     # Same spec, same options, and no module's forward replaced since (a float32 fallback under verification).
-    overrides = tuple(id(m.__dict__.get("forward")) for m in spec.root.modules())
+    modules = list(spec.root.modules())
+    overrides = tuple(id(m.__dict__.get("forward")) for m in modules)
     key = (id(spec), spec.dtype, detailed, zoom, autocast, backward_zoom, reference, overrides)
     if share is not None and share.step is not None:
         if keep and share.step.key == key and share.step.repeatable:
@@ -138,7 +139,7 @@ def run_pass(
             share.histograms = share.step.histograms
             return trace, share.step.loss_source
         share.release()
-    step = _Step(spec, key, detailed, zoom, autocast, backward_zoom, reference, guard)
+    step = _Step(spec, modules, key, detailed, zoom, autocast, backward_zoom, reference, guard)
     kept = False
     try:
         step.forward()
@@ -160,6 +161,7 @@ class _Step:
     def __init__(
         self,
         spec: PassSpec,
+        modules: list[nn.Module],
         key: tuple[Any, ...],
         detailed: bool,
         zoom: Optional[tuple[str, int]],
@@ -176,9 +178,7 @@ class _Step:
         if reference is not False:
             depth = None if reference is True else int(reference)
             self.float_reference = FloatReference(self.collector, depth, spec.device_type)
-        self.recorder = Recorder(
-            spec.names, list(spec.root.modules()), self.collector, spec.backward, zoom, self.float_reference
-        )
+        self.recorder = Recorder(spec.names, modules, self.collector, spec.backward, zoom, self.float_reference)
         self.loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
         self.back_zoom = BackwardZoom() if backward_zoom else None
         self.contexts = contextlib.ExitStack()
