@@ -277,8 +277,8 @@ class StatsCollector:
                 flat = flat.float()
             lengths = tuple(t.numel() for t in tensors)
             # bits >> 23 is the sign-and-exponent field, sign-extended: -256..255; each tensor gets 512 bins.
-            total = torch.bincount((flat.view(torch.int32) >> 23) + _offsets(lengths, flat.device),
-                                   minlength=512 * len(tensors))
+            offsets, sizes = _offsets(lengths, flat.device)
+            total = torch.bincount((flat.view(torch.int32) >> 23) + offsets, minlength=512 * len(tensors))
             total = total.view(len(tensors), 2, 256).sum(1)  # both signs
             low, high = HIST_LOW + _FP32_BIAS, HIST_HIGH + _FP32_BIAS
             below = total[:, 1:low].sum(1, keepdim=True)  # exponent 0: zeros and float32 subnormals, see below
@@ -296,7 +296,7 @@ class StatsCollector:
                 start += size * count
             counts = torch.cat(nonzero)
             # Nonzero values with exponent 0 are float32 subnormals: below every binade kept.
-            hists[:, 0] += total[:, 0] - (torch.tensor(lengths, device=flat.device) - counts)
+            hists[:, 0] += total[:, 0] - (sizes - counts)
             rows = hists.unbind(0)
             nonzero_each = counts.unbind(0)
             return {id(t): (mins[i], maxs[i], nonzero_each[i], rows[i]) for i, t in enumerate(tensors)}
@@ -375,23 +375,24 @@ class StatsCollector:
 
 _BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-_OFFSETS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_OFFSETS: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _histogrammable(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.numel() > 0 and not t.is_complex()
 
 
-def _offsets(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``512 * i + 256`` for every element of the ``i``-th of consecutive segments (cached: a model's parameter
-    layout comes back in every backward)."""
+def _offsets(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``512 * i + 256`` for every element of the ``i``-th of consecutive segments, and the segments' sizes, on
+    ``device`` (cached: a model's parameter layout comes back in every backward, with no host-to-device copy)."""
     key = (lengths, device)
     found = _OFFSETS.get(key)
     if found is None:
         if len(_OFFSETS) > 64:
             _OFFSETS.clear()
+        sizes = torch.tensor(lengths, device=device)
         starts = torch.arange(256, 512 * len(lengths), 512, dtype=torch.int32, device=device)
-        found = _OFFSETS[key] = torch.repeat_interleave(starts, torch.tensor(lengths, device=device))
+        found = _OFFSETS[key] = (torch.repeat_interleave(starts, sizes), sizes)
     return found
 
 
