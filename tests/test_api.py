@@ -259,7 +259,8 @@ def test_healthy_relu_net_reports_no_underflow() -> None:
     assert report.verdict == "healthy"
     assert report.forward_origin is None and report.backward_origin is None
     under = report.findings.underflow
-    assert under is not None and under.reference == "float32 backward (autocast off)"
+    # the default reference: the same dtype at the largest finite scale (a float32 step is opt-in)
+    assert under is not None and under.reference == "backward at scale 524288, the largest finite"
     assert under.lost == 0 and under.reference_nonzero > 0
     assert report.findings.near_limit == () and report.recommendations == ()
     assert report.exit_code == 0

@@ -11,7 +11,15 @@ The names that need torch are imported on first use.
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import AmpDoctorError, CheckpointError, CheckpointRefused, InternalError, InvalidInput, ModelRaised
+from .errors import (
+    AmpDoctorError,
+    CheckpointError,
+    CheckpointRefused,
+    InternalError,
+    InvalidInput,
+    ModelRaised,
+    OutOfMemory,
+)
 from .records import Recommendation
 from .report import Report
 
@@ -52,6 +60,7 @@ __all__ = [
     "InternalError",
     "InvalidInput",
     "ModelRaised",
+    "OutOfMemory",
     "Recommendation",
     "Report",
     "ScanReport",

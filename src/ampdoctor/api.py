@@ -2,14 +2,17 @@
 
 A survey pass first (mandatory: if it fails, the error is the answer); then only what the survey calls for, each
 pass optional: scale probes, an underflow reference, the loss-scale window, a detailed re-run with the op zoom,
-verification re-runs. An optional pass that raises (out of memory included) is recorded in ``report.run.passes``
-and the rest of the report stands on the passes that ran.
+verification re-runs. Probes at other loss scales are backwards on the survey's own graph (no new forward). An
+optional pass that raises (out of memory included) is recorded in ``report.run.passes``, and one whose estimated
+peak would not fit the memory limit is skipped before it runs; the rest of the report stands on the passes that
+ran.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -31,29 +34,46 @@ from .capture.checks import (
 )
 from .capture.dtypes import dtype_name, model_device_type
 from .capture.emulate import should_emulate_cuda
+from .capture.memory import available_bytes, describe, is_out_of_memory, pass_estimate
 from .capture.model import unwrap_model
-from .capture.passes import LossFn, PassSpec, capture_params, run_pass
+from .capture.passes import LossFn, PassSpec, SharedForward, capture_params, run_pass
 from .capture.state import StateGuard
 from .capture.stats import format_limits
-from .errors import InvalidInput
+from .errors import InvalidInput, OutOfMemory
 from .fixes.recommend import recommend
 from .fixes.verify import VerifyContext, verify_recommendations
 from .policy import autocast_note
 from .records import BATCH, LOSS, ModuleInfo, PassRecord, PassTrace, Recommendation, RunInfo
 from .report import Report
+from .thresholds import UNDERFLOW_VERDICT_SHARE
 
 T = TypeVar("T")
+# progress(purpose, index, total): called as each pass starts (index from 0; total None: not known in advance).
+ProgressFn = Callable[[str, int, Optional[int]], None]
+SURVEY = "survey"
+_PROBING = (SURVEY, "scale probe", "underflow reference", "loss-scale window")
+
+
+class PassSkipped(Exception):
+    """A pass not run: its estimated peak does not fit the memory limit (logged as "skipped")."""
 
 
 class _Session:
     """The passes of one diagnosis: every pass starts from the same state and is logged with its purpose."""
 
-    def __init__(self, spec: PassSpec, guard: StateGuard) -> None:
+    def __init__(
+        self, spec: PassSpec, guard: StateGuard, memory_limit: Optional[int], progress: Optional[ProgressFn]
+    ) -> None:
         self.spec = spec
         self.guard = guard
         self.log: list[PassRecord] = []
         self.loss_sources: list[str] = []
-        self.purpose = "survey"
+        self.purpose = SURVEY
+        self.share = SharedForward()  # the graph of the last survey-level pass, for probes at other scales
+        self.histograms: dict[str, list[float]] = {}
+        self.memory_limit = memory_limit
+        self.progress = progress
+        self.survey: Optional[PassTrace] = None  # the first pass, for memory estimates
 
     def run(
         self,
@@ -64,21 +84,51 @@ class _Session:
         backward_zoom: bool = False,
         compare: Union[bool, int] = False,
         dtype: Optional[torch.dtype] = None,
+        histograms: int = 0,
     ) -> PassTrace:
         spec = self.spec if dtype is None else dataclasses.replace(self.spec, dtype=dtype)
         record = PassRecord(self.purpose, at_scale, dtype_name(spec.dtype) if autocast else "float32")
+        survey_level = dtype is None and autocast and not detailed and compare is False
+        # The graph is kept for the probes at other scales only; a verification re-run drops it at once.
+        keep = survey_level and self.purpose in _PROBING
+        self._check_memory(record, detailed, autocast, survey_level)
+        if self.progress is not None:
+            self.progress(self.purpose, len(self.log), None)
         start = time.perf_counter()
-        self.guard.rewind()  # the same RNG draws, parameters and buffers for every pass: re-runs are identical
         try:
-            trace, source = run_pass(spec, at_scale, detailed, zoom, autocast, backward_zoom, compare, self.guard)
+            trace, source = run_pass(
+                spec, at_scale, detailed, zoom, autocast, backward_zoom, compare, self.guard,
+                share=self.share, keep=keep, histograms=histograms,
+            )
         except Exception as exc:
+            self.share.release()
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
             self.log.append(dataclasses.replace(record, status="failed", reason=reason,
                                                 seconds=time.perf_counter() - start))
+            if self.survey is None and is_out_of_memory(exc):
+                raise _out_of_memory(reason) from exc
             raise
+        self.histograms = self.share.histograms if histograms else {}
         self.log.append(dataclasses.replace(record, seconds=time.perf_counter() - start))
         self.loss_sources.append(source)
+        if self.survey is None:
+            self.survey = trace
         return trace
+
+    def _check_memory(self, record: PassRecord, detailed: bool, autocast: bool, survey_level: bool) -> None:
+        """Skip a pass whose estimated peak (from the survey's records) exceeds the memory limit."""
+        if self.survey is None or self.memory_limit is None:
+            return
+        shared = survey_level and self.share.step is not None and self.share.step.repeatable
+        kind = "backward" if shared else ("detailed" if detailed else ("survey" if autocast else "float32"))
+        needed = pass_estimate(self.survey, kind)
+        if needed > self.memory_limit:
+            reason = f"estimated peak +{describe(needed)} exceeds the memory limit {describe(self.memory_limit)}"
+            self.log.append(dataclasses.replace(record, status="skipped", reason=reason))
+            raise PassSkipped(reason)
+
+    def close(self) -> None:
+        self.share.release()
 
     @contextlib.contextmanager
     def stage(self, purpose: str) -> Iterator[None]:
@@ -91,15 +141,23 @@ class _Session:
     def optional(self, purpose: str, step: Callable[[], T], fallback: T) -> T:
         """Run an optional stage; if any of its passes raises, the stage is dropped (its failure is in the log,
         its traceback and tensors released here) and ``fallback`` stands in."""
-        failed_before = sum(r.status == "failed" for r in self.log)
+        logged_before = sum(r.status != "ran" for r in self.log)
         with self.stage(purpose):
             try:
                 return step()
             except Exception as exc:  # a pass's failure is logged by run(); anything else is logged here
-                if sum(r.status == "failed" for r in self.log) == failed_before:
+                if sum(r.status != "ran" for r in self.log) == logged_before:
                     reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
                     self.log.append(PassRecord(purpose, 0.0, "", "failed", reason))
         return fallback
+
+
+def _out_of_memory(reason: str) -> OutOfMemory:
+    return OutOfMemory(
+        f"the first pass (one instrumented AMP step on this batch) ran out of memory ({reason}). Try a smaller "
+        "batch (a slice of it usually shows the same origin), backward=False (the forward only), or fewer "
+        "passes (scale_window=False, verify=False); on CUDA, free cached memory first (torch.cuda.empty_cache())"
+    )
 
 
 def diagnose(
@@ -112,11 +170,13 @@ def diagnose(
     scaler: Any = None,
     backward: bool = True,
     scale: Optional[float] = None,
-    fp32_reference: bool = True,
+    fp32_reference: bool = False,
     verify: bool = True,
     scale_window: bool = True,
     reference: Union[bool, int] = False,
     policy: Optional[str] = None,
+    memory_limit: Optional[int] = None,
+    progress: Union[None, bool, ProgressFn] = None,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -131,11 +191,13 @@ def diagnose(
             read. Without it, float16 uses GradScaler's default 2**16 and bfloat16 is unscaled.
         backward: also run and analyse the scaled backward.
         scale: an explicit loss scale (overrides ``scaler``).
-        fp32_reference: to count gradient values lost to underflow, ampdoctor re-runs the backward at a much
-            larger scale when the gradients leave room for one; when they do not (the usual case at GradScaler's
-            2**16), it re-runs the step once with autocast off. Set False when float32 does not fit in memory.
-        scale_window: measure the window of useful loss scales (largest without overflow, smallest losing
-            < 1 % of gradient values) by re-running the step at candidate scales; needs ``fp32_reference``.
+        fp32_reference: gradient values lost to underflow are counted against the backward at the largest
+            finite scale of the low-precision format (a backward on the survey's graph: no new forward). Values
+            too small for the format at every scale show only against a float32 backward: ``True`` runs the step
+            once with autocast off for that (memory: the activations in float32), and uses it for the loss-scale
+            window too.
+        scale_window: the window of useful loss scales (largest without overflow, smallest losing < 1 % of
+            gradient values): predicted from the gradients of one backward, both ends confirmed by re-runs.
         reference: compare each leaf call (``True``) or each call ``n`` levels down (an int) against a float32
             re-run of that call alone on its own inputs: relative error, SQNR, forward underflow. Never runs the
             whole model in float32.
@@ -144,6 +206,11 @@ def diagnose(
         policy: whose autocast op policy the passes follow: ``"native"`` (torch.autocast on ``device_type``) or
             ``"cuda"`` (CUDA's op lists, emulated on CPU tensors: what CUDA would do, on a machine without a
             GPU). Default: native, except that ``device_type="cuda"`` on a machine without CUDA emulates.
+        memory_limit: bytes a pass may add to what is in use when ``diagnose`` starts; an optional pass whose
+            peak, estimated from the survey, would exceed it is skipped (and listed). Default: the memory the
+            device has available.
+        progress: show one progress line per pass on stderr (``True``), never (``False``), or call
+            ``progress(purpose, index, total)`` as each pass starts. Default: shown when stderr is a terminal.
 
     Nothing the user owns changes (see the README's promises): parameters, buffers, ``.grad`` fields,
     ``training`` flags, RNG states and the scaler are as before, a backward the user built before the call still
@@ -161,9 +228,11 @@ def diagnose(
     if not emulate:
         check_device(device_type)
     used_scale, scale_source, environment = resolve_scale(scaler, scale, dtype)
+    limit = memory_limit if memory_limit is not None else available_bytes("cpu" if emulate else device_type)
+    shown = _progress(progress)
     # Inside torch.inference_mode() autograd is off and tensors cannot be saved for backward: run with it off
     # (the context puts the user's mode back), on normal copies of inference tensors.
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), shown as callback:
         spec = PassSpec(
             root=root,
             names={id(m): name for name, m in root.named_modules()},
@@ -176,9 +245,11 @@ def diagnose(
             policy="cuda_emulated" if emulate else "native",
         )
         guard = StateGuard(root, spec.params)
+        session = _Session(spec, guard, limit, callback)
         try:
-            report = _diagnose(spec, guard, used_scale, scale_source, fp32_reference, scale_window, reference, verify)
+            report = _diagnose(session, used_scale, scale_source, fp32_reference, scale_window, reference, verify)
         finally:
+            session.close()
             guard.restore()
     run = dataclasses.replace(
         report.run,
@@ -188,9 +259,40 @@ def diagnose(
     return dataclasses.replace(report, run=run)
 
 
+@contextlib.contextmanager
+def _progress(progress: Union[None, bool, ProgressFn]) -> Iterator[Optional[ProgressFn]]:
+    """The progress callback for ``diagnose(progress=...)``: the caller's, a tqdm line on stderr, or none."""
+    if callable(progress):
+        yield progress
+        return
+    if progress is False or (progress is None and not _interactive()):
+        yield None
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc="ampdoctor", unit="pass", file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0)
+
+    def show(purpose: str, index: int, total: Optional[int]) -> None:
+        if total is not None:
+            bar.total = total
+        bar.n = index  # passes done so far; the line names the one starting
+        bar.set_description_str(f"ampdoctor: {purpose}")
+
+    try:
+        yield show
+    finally:
+        bar.close()
+
+
+def _interactive() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def _diagnose(
-    spec: PassSpec,
-    guard: StateGuard,
+    session: _Session,
     used_scale: float,
     scale_source: str,
     fp32_reference: bool,
@@ -198,32 +300,44 @@ def _diagnose(
     reference: Union[bool, int],
     verify: bool,
 ) -> Report:
-    session = _Session(spec, guard)
+    spec = session.spec
     limits = format_limits(spec.dtype)
-    modules = capture_params(spec, [(name, m) for name, m in spec.root.named_modules()])
+    named = list(spec.root.named_modules())
+    # Parameters at the survey level (min, max, zeros); in detail only when a detailed re-run follows.
+    modules = capture_params(spec, named, detailed=False)
     survey = _survey(session, used_scale, reference)
     check_autocast_effect(survey, limits.dtype, "cuda" if spec.policy == "cuda_emulated" else spec.device_type)
     origin = forward_origin(survey)
-    runner = Runner(lambda at_scale, autocast: session.run(at_scale, autocast=autocast), fp32_reference)
+    def run(at_scale: float, autocast: bool, histograms: bool) -> tuple[PassTrace, dict[str, list[float]]]:
+        # A probe that may be the top is the reference for predictions: every low-precision gradient's histogram.
+        return session.run(at_scale, autocast=autocast, histograms=2 if histograms else 0), session.histograms
+
+    runner = Runner(run, fp32_reference)
+    runner.seed(survey, session.histograms)
     scale_finding: Optional[ScaleFinding] = None
     underflow: Optional[UnderflowFinding] = None
     window: Optional[ScaleWindow] = None
     if origin is None and survey.backward_ran:
         if not survey.gradients_finite():
-            scale_finding = session.optional("scale probe", lambda: probe_scales(runner, survey, modules), None)
+            scale_finding = session.optional(
+                "scale probe", lambda: probe_scales(runner, survey, modules, limits), None
+            )
         else:
             underflow = session.optional(
                 "underflow reference", lambda: underflow_reference(runner, survey, modules, limits), None
             )
-        if scale_window and (scale_finding is None or scale_finding.largest_finite_scale is not None):
+        if scale_window and (
+            survey.gradients_finite() or (scale_finding is not None and scale_finding.largest_finite_scale)
+        ):
             window = session.optional(
                 "loss-scale window", lambda: measure_window(runner, survey, modules, limits), None
             )
+    session.share.release()  # the probes' graph goes before any other pass runs
     final = survey
     if (
         origin is not None
         or scale_finding is not None
-        or (underflow is not None and underflow.lost > 0)
+        or (underflow is not None and underflow.share >= UNDERFLOW_VERDICT_SHARE)
         or near_limit(survey, modules, limits)
     ):
         zoom = None
@@ -235,6 +349,7 @@ def _diagnose(
         detail = lambda: session.run(at_scale, detailed=True, zoom=zoom, backward_zoom=scale_finding is not None)  # noqa: E731
         # Without the detailed re-run the report stands on the survey (no op zoom, survey-level counts).
         final = session.optional("detail and op zoom", detail, survey)
+        modules = capture_params(spec, named)
     notes: list[str] = []
     if session.loss_sources[0] == "surrogate" and survey.backward_ran:
         notes.append(
@@ -242,6 +357,7 @@ def _diagnose(
             "floating outputs); pass loss_fn= for the real gradients"
         )
     notes += [n for n in final.notes if n not in notes]
+    notes += _cost_notes(session, survey, underflow, fp32_reference, scale_finding)
     emulated = spec.policy == "cuda_emulated"
     run_info = RunInfo(
         torch_version=torch.__version__,
@@ -269,17 +385,49 @@ def _diagnose(
     return Report(run_info, tuple(modules), final, findings, tuple(recommendations))
 
 
+def _cost_notes(
+    session: _Session,
+    survey: PassTrace,
+    underflow: Optional[UnderflowFinding],
+    fp32_reference: bool,
+    scale_finding: Optional[ScaleFinding],
+) -> list[str]:
+    """What the report leaves out to stay within one step's memory and a few steps' time, and how to get it."""
+    notes = []
+    skipped = [p for p in session.log if p.status == "skipped"]
+    if skipped:
+        notes.append(
+            f"{len(skipped)} optional pass(es) skipped to stay within the memory limit: "
+            + "; ".join(f"{p.purpose} at scale {p.scale:g} ({p.reason})" for p in skipped[:3])
+        )
+    low = dtype_name(session.spec.dtype)
+    if survey.backward_ran and not fp32_reference and (survey.gradients_finite() or scale_finding is not None):
+        dropped = any(p.purpose == "underflow reference" and p.status != "ran" for p in session.log)
+        what = (
+            f"the used scale {survey.scale:g} is already the largest finite one, so no larger {low} scale could "
+            "count gradient values lost to underflow there"
+            if underflow is None and scale_finding is None and not dropped
+            else f"gradient values lost to underflow are counted against the backward at the largest finite {low} "
+            "scale"
+        )
+        notes.append(
+            f"{what}; values too small for {low} at every scale show only against a float32 backward: "
+            f"fp32_reference=True adds one float32 step (about +{describe(pass_estimate(survey, 'float32'))} here)"
+        )
+    return notes
+
+
 def _survey(session: _Session, used_scale: float, reference: Union[bool, int]) -> PassTrace:
     """The first pass. With ``reference`` it also re-runs calls in float32; a module that cannot run in float32
     (a float16-only kernel) costs the comparisons, not the diagnosis."""
     if reference is False:
-        return session.run(used_scale)
+        return session.run(used_scale, histograms=1)
     with session.stage("survey with float32 references"):
         try:
-            return session.run(used_scale, compare=reference)
+            return session.run(used_scale, compare=reference, histograms=1)
         except Exception:
             pass  # in the log; the plain survey below is the diagnosis
-    return session.run(used_scale)
+    return session.run(used_scale, histograms=1)
 
 
 def _verify(

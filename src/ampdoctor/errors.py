@@ -46,3 +46,7 @@ class CheckpointRefused(CheckpointError):
 
 class InternalError(AmpDoctorError):
     """ampdoctor itself failed while recording (a bug: please report it with the model class)."""
+
+
+class OutOfMemory(AmpDoctorError):
+    """The first pass (one instrumented AMP step) ran out of memory: nothing could be diagnosed."""

@@ -8,9 +8,11 @@ HEADROOM_TIGHT_BITS = 4.0
 UNDERFLOW_VERDICT_SHARE = 0.05
 # Loss-scale window: a scale is "useless" when it loses at least this share of gradient values to zero.
 SCALE_WINDOW_LOSS_SHARE = 0.01
-# A reference backward for underflow needs at least this many more bits of scale than the run used.
-MIN_REFERENCE_EXTRA_BITS = 4
-# ... and need not go beyond this many (fp16's whole subnormal-to-max span is 40 bits).
-MAX_REFERENCE_EXTRA_BITS = 24
+# Binade histograms of gradients (loss-scale predictions): bins for 2**k, HIST_LOW <= k < HIST_HIGH, plus one bin
+# below and one above (fp16's whole subnormal-to-max span is 40 bits; scales go up to 2**40).
+HIST_LOW = -100
+HIST_HIGH = 28
+# Histograms by parameter name, and under this prefix + its order for a gradient held in the low precision.
+GRADIENT_KEY = "<gradient>"
 # The default scale of torch.amp.GradScaler.
 DEFAULT_FP16_SCALE = 2.0**16

@@ -1,71 +1,89 @@
-"""Re-runs at other loss scales (and one float32 reference) that turn single passes into findings.
+"""Re-runs at other loss scales that turn single passes into findings: predicted first, then confirmed.
 
 No torch here: everything goes through a ``Runner`` that the caller builds around the live model, so each
-(scale, autocast) pass runs at most once per diagnosis. Finiteness is assumed monotone in the scale (overflow
-only gets worse as the scale grows), and underflow losses are assumed to only shrink as it grows.
+(scale, autocast) pass runs at most once per diagnosis. Multiplying the loss by a power of two multiplies every
+gradient by it exactly, except near the subnormal range. So the top of the loss-scale window follows from the
+largest recorded gradient, and the bottom from binade histograms of the parameter gradients of one backward;
+re-runs only confirm the two ends (and correct a prediction that a probe contradicts). Finiteness is assumed
+monotone in the scale, and losses to underflow are assumed to only shrink as it grows.
+
+Lost gradient values are counted against the largest finite scale of the low-precision format (the same
+dtype, the same forward): what any loss scale could still keep. Values too small for the format at every
+scale are visible only against a float32 backward, which the caller may allow (``allow_fp32``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 from ..records import FormatLimits, FrozenMap, ModuleInfo, PassTrace
-from ..thresholds import MAX_REFERENCE_EXTRA_BITS, MIN_REFERENCE_EXTRA_BITS, SCALE_WINDOW_LOSS_SHARE
+from ..thresholds import GRADIENT_KEY, HIST_LOW, SCALE_WINDOW_LOSS_SHARE
 from .findings import ScaleFinding, ScaleProbe, ScaleWindow, UnderflowFinding, WindowProbe
+from .origin import param_owners
 from .underflow import lost_gradients
 
 # Scales above 2**MAX_WINDOW_EXPONENT are never probed (fp16 spans 40 bits from subnormal to max).
 MAX_WINDOW_EXPONENT = 40
 FP32_REFERENCE = "float32 backward (autocast off)"
-
-
-def reference_extra_bits(trace: PassTrace, limits: FormatLimits, max_extra: int, margin_bits: float = 1.0) -> int:
-    """How many doublings of the scale the largest scaled gradient of ``trace`` can take, with a margin."""
-    # Only gradients held in the low-precision format can overflow it.
-    low = [e.stats.abs_max or 0.0 for e in trace.grad_events if e.stats.dtype == limits.dtype]
-    largest = max(low, default=0.0) * trace.scale
-    if largest == 0:
-        return max_extra
-    bits = math.floor(math.log2(limits.max / largest) - margin_bits)
-    return max(0, min(max_extra, bits))
-
+# Binade histograms of gradients (layout: capture.stats.StatsCollector.add_histogram): by parameter name, and under
+# GRADIENT_KEY + its order for a gradient held in the low precision (a call's output gradient).
+Histograms = Mapping[str, Sequence[float]]
+# A bottom predicted at scale 1 needs no re-run when its predicted loss is under this share of the window's 1 % and
+# the low-precision gradients together lose under GRADIENTS_LOSING of their values there (a gradient that loses
+# more, such as a flushed loss gradient, loses values before any parameter histogram can see it).
+CONFIDENT = 0.1
+GRADIENTS_LOSING = 0.1
+# run(scale, autocast, histograms): one pass; the histograms only when asked for (they cost a pass over the gradients)
+RunFn = Callable[[float, bool, bool], tuple[PassTrace, Histograms]]
 
 
 class Runner:
-    """Survey passes keyed by (scale, autocast): each is run once, then served from memory."""
+    """Survey-level passes keyed by (scale, autocast): each is run once, then served from memory with the binade
+    histograms of its parameter gradients."""
 
-    def __init__(self, run: Callable[[float, bool], PassTrace], allow_fp32: bool) -> None:
+    def __init__(self, run: RunFn, allow_fp32: bool) -> None:
         self._run = run
-        self._cache: dict[tuple[float, bool], PassTrace] = {}
+        self._cache: dict[tuple[float, bool], tuple[PassTrace, Histograms]] = {}
         self.allow_fp32 = allow_fp32
+        self.top: Optional[tuple[int, bool]] = None  # (exponent of the largest finite scale, next one measured)
 
-    def __call__(self, scale: float) -> PassTrace:
-        key = (scale, True)
+    def __call__(self, scale: float, histograms: bool = False) -> PassTrace:
+        return self._get(scale, True, histograms)[0]
+
+    def _get(self, scale: float, autocast: bool, histograms: bool = False) -> tuple[PassTrace, Histograms]:
+        key = (scale, autocast)
         if key not in self._cache:
-            self._cache[key] = self._run(scale, True)
+            self._cache[key] = self._run(scale, autocast, histograms)
         return self._cache[key]
 
-    def seed(self, trace: PassTrace) -> None:
-        self._cache[(trace.scale, True)] = trace
+    def histograms(self, scale: float) -> Histograms:
+        return self._get(scale, True)[1]
+
+    def seed(self, trace: PassTrace, histograms: Histograms) -> None:
+        self._cache.setdefault((trace.scale, True), (trace, histograms))
 
     def fp32(self) -> Optional[PassTrace]:
         """The same step with autocast off: the ground truth of which gradient values are nonzero."""
         if not self.allow_fp32:
             return None
-        key = (1.0, False)
-        if key not in self._cache:
-            self._cache[key] = self._run(1.0, False)
-        trace = self._cache[key]
+        trace = self._get(1.0, False, True)[0]
         return trace if trace.gradients_finite() else None
 
-    def finite(self, scale: float) -> bool:
-        trace = self(scale)
-        return trace.healthy()
+    def fp32_histograms(self) -> Histograms:
+        return self._get(1.0, False)[1] if self.fp32() is not None else {}
+
+    def finite(self, scale: float, histograms: bool = False) -> bool:
+        return self(scale, histograms).healthy()
+
+    def measured(self, scale: float) -> bool:
+        return (scale, True) in self._cache
 
     def runs(self) -> list[PassTrace]:
-        return list(self._cache.values())
+        return [trace for (_, autocast), (trace, _) in self._cache.items() if autocast]
 
 
 def bisect_exponents(holds: int, fails: int, predicate: Callable[[int], bool]) -> tuple[int, int]:
@@ -80,114 +98,276 @@ def bisect_exponents(holds: int, fails: int, predicate: Callable[[int], bool]) -
     return holds, fails
 
 
-def probe_scales(runner: Runner, survey: PassTrace, modules: list[ModuleInfo]) -> ScaleFinding:
-    """Binary search for the largest power-of-two scale >= 1 below the used one with finite gradients."""
-    used = survey.scale
-    runner.seed(survey)
-    probes: list[ScaleProbe] = []
+def exponent_of(scale: float) -> Optional[int]:
+    """``e`` when ``scale == 2**e``, else None."""
+    mantissa, exponent = math.frexp(scale)
+    return exponent - 1 if mantissa == 0.5 else None
 
-    def finite_at(exponent: int) -> bool:
-        ok = runner.finite(2.0**exponent)
-        probes.append(ScaleProbe(2.0**exponent, ok))
-        return ok
 
-    if used <= 1:
-        return ScaleFinding(used, tuple(probes), None, None, used)
-    if not finite_at(0):
-        return ScaleFinding(used, tuple(probes), None, None, 1.0)
-    top = math.ceil(math.log2(used))  # 2**top >= used: known (or assumed) non-finite
-    low, high = bisect_exponents(0, top, finite_at)
-    best = runner(2.0**low)
-    reference = "the re-runs at other scales"
-    references = [t for t in runner.runs() if t is not best]
+def predicted_top(trace: PassTrace, limits: FormatLimits, modules: Sequence[ModuleInfo] = ()) -> int:
+    """The exponent of the largest power-of-two scale at which the largest recorded low-precision gradient of
+    ``trace`` stays below the overflow threshold (exact: a power of two scales it exactly).
+
+    Low-precision gradients are those held in the format, and the parameter gradients of modules that ran in it
+    (a Linear under autocast: its weight gradient is the float16 result of a matmul, cast to float32 after).
+    """
+    low_modules = {c.module for c in trace.calls if any(r.stats.dtype == limits.dtype for r in c.outputs)}
+    owners = param_owners(modules)
+    largest = 0.0
+    for e in trace.grad_events:
+        low = e.stats.dtype == limits.dtype or (e.kind == "param" and owners.get(e.param or "") in low_modules)
+        if low and e.stats.abs_max:
+            largest = max(largest, e.stats.abs_max)
+    if largest == 0 or not math.isfinite(largest):
+        return MAX_WINDOW_EXPONENT
+    exponent = math.floor(math.log2(limits.overflow_threshold / largest))
+    while largest * 2.0**exponent >= limits.overflow_threshold:
+        exponent -= 1
+    while largest * 2.0 ** (exponent + 1) < limits.overflow_threshold:
+        exponent += 1
+    return max(0, min(MAX_WINDOW_EXPONENT, exponent))
+
+
+def find_top(
+    runner: Runner,
+    base: PassTrace,
+    limits: FormatLimits,
+    modules: Sequence[ModuleInfo],
+    known_bad: Optional[int] = None,
+) -> Optional[int]:
+    """The exponent of the largest finite power-of-two scale, from ``base`` (a finite backward) by arithmetic,
+    confirmed by one re-run there (more only when an unrecorded intermediate overflows first). ``known_bad``: an
+    exponent already seen non-finite. None when not even scale 1 is finite."""
+    if runner.top is not None:
+        return runner.top[0]
+    guess = predicted_top(base, limits, modules)
+    if known_bad is not None:
+        guess = min(guess, known_bad - 1)
+    base_exponent = exponent_of(base.scale) if base.healthy() else None
+    if guess < 0:
+        return None
+    # The top's backward is the reference for what any scale keeps: its histograms predict the bottom.
+    if runner.finite(2.0**guess, histograms=True):
+        top, next_measured = guess, known_bad == guess + 1
+    else:
+        holds = base_exponent if base_exponent is not None and base_exponent < guess else -1
+        if holds < 0 and guess > 0 and runner.finite(1.0, histograms=True):
+            holds = 0
+        if holds < 0:
+            runner.top = (-1, True)
+            return None
+        top, _ = bisect_exponents(holds, guess, lambda e: runner.finite(2.0**e, histograms=True))
+        next_measured = True
+    runner.top = (top, next_measured)
+    return top
+
+
+def _reference_name(runner: Runner, top: Optional[int]) -> str:
+    same = f"backward at scale {2.0**top:g}, the largest finite" if top is not None else ""
+    if runner.fp32() is not None:
+        return f"a {FP32_REFERENCE} and the {same}" if same else FP32_REFERENCE
+    return same
+
+
+def _references(runner: Runner, top: Optional[int]) -> list[PassTrace]:
+    refs = [runner(2.0**top)] if top is not None else []
     fp32 = runner.fp32()
-    if fp32 is not None:
-        references.append(fp32)
-        reference = f"a {FP32_REFERENCE} and {reference}"
-    lost = lost_gradients(best, references, modules, reference)
-    lowest_bad = 2.0**high if high < top else used
-    probes.sort(key=lambda p: p.scale)
-    return ScaleFinding(used, tuple(probes), 2.0**low, lost.share if lost else None, lowest_bad)
+    return refs + ([fp32] if fp32 is not None else [])
+
+
+def probe_scales(runner: Runner, survey: PassTrace, modules: list[ModuleInfo], limits: FormatLimits) -> ScaleFinding:
+    """The largest power-of-two scale >= 1 below the used one with finite gradients: a re-run at 1 (finite there
+    or a real defect), the top predicted from it, confirmed by a re-run."""
+    used = survey.scale
+    runner.seed(survey, {})
+    if used <= 1:
+        return ScaleFinding(used, (), None, None, used)
+    if not runner.finite(1.0):
+        return ScaleFinding(used, (ScaleProbe(1.0, False),), None, None, 1.0)
+    bad = math.ceil(math.log2(used))  # 2**bad >= used: known (or assumed) non-finite
+    top = find_top(runner, runner(1.0), limits, modules, known_bad=bad)
+    assert top is not None
+    best = runner(2.0**top)
+    lost = lost_gradients(best, _references(runner, top), modules, _reference_name(runner, top))
+    probes = sorted(
+        {ScaleProbe(t.scale, t.healthy()) for t in runner.runs() if t.scale < used}, key=lambda p: p.scale
+    )
+    lowest_bad = 2.0 ** (top + 1) if top + 1 < bad else used
+    return ScaleFinding(used, tuple(probes), 2.0**top, lost.share if lost else None, lowest_bad)
 
 
 def underflow_reference(
     runner: Runner, survey: PassTrace, modules: list[ModuleInfo], limits: FormatLimits
 ) -> Optional[UnderflowFinding]:
-    """A reference backward: at a much larger scale when the survey's gradient maxima leave room, else float32."""
-    runner.seed(survey)
-    extra = reference_extra_bits(survey, limits, MAX_REFERENCE_EXTRA_BITS)
-    while extra >= MIN_REFERENCE_EXTRA_BITS:
-        reference = runner(survey.scale * 2.0**extra)
-        if reference.gradients_finite():
-            return lost_gradients(survey, [reference], modules, f"backward at scale {reference.scale:g}")
-        extra //= 2
-    fp32 = runner.fp32()
-    if fp32 is not None:
-        return lost_gradients(survey, [fp32], modules, FP32_REFERENCE)
-    return None
+    """Gradient values lost to zero at the used scale, against the backward at the largest finite scale (and a
+    float32 backward when allowed). When the used scale is that largest one (predicted), a re-run at twice it
+    confirms that no larger scale keeps more; there is then no same-dtype reference, and None without float32."""
+    runner.seed(survey, {})
+    top = find_top(runner, survey, limits, modules)
+    used = exponent_of(survey.scale)
+    if top is not None and used is not None and top == used and runner.top is not None and not runner.top[1]:
+        while top < MAX_WINDOW_EXPONENT and runner.finite(2.0 ** (top + 1), histograms=True):
+            top += 1  # the prediction missed (it is exact for recorded values): step up to what is finite
+        runner.top = (top, True)
+    if top is not None and 2.0**top <= survey.scale:
+        top = None  # the survey itself: no backward keeps more than it does
+    references = _references(runner, top)
+    if not references:
+        return None
+    return lost_gradients(survey, references, modules, _reference_name(runner, top))
+
+
+class LossPrediction:
+    """From binade histograms of a backward at ``2**at_exponent``: how many values each module would lose to zero
+    at another power-of-two scale (a value is lost once its whole binade lies at or below the flush threshold;
+    bin 0 holds everything below ``2**HIST_LOW``, the last bin everything from ``2**HIST_HIGH`` up)."""
+
+    def __init__(self, histograms: Histograms, at_exponent: int, flush_exponent: int, owners: Mapping[str, str]):
+        self.at = at_exponent
+        self.flush = flush_exponent
+        summed: dict[str, list[float]] = {}
+        self._gradients = [_prefix(hist) for name, hist in histograms.items() if name.startswith(GRADIENT_KEY)]
+        for name, hist in histograms.items():
+            if name.startswith(GRADIENT_KEY):
+                continue
+            acc = summed.setdefault(owners.get(name, name), [0.0] * len(hist))
+            for i, count in enumerate(hist):
+                acc[i] += count
+        self._prefix = {module: _prefix(counts) for module, counts in summed.items()}
+
+    def _upto(self, exponent: int, prefix: Sequence[float]) -> float:
+        # Bin i holds binade k = HIST_LOW + i - 1; lost when k + 1 + (exponent - at) <= flush.
+        last = self.flush - (exponent - self.at) - HIST_LOW
+        return prefix[max(0, min(len(prefix) - 1, last + 1))]
+
+    def lost(self, exponent: int, module: Optional[str] = None) -> float:
+        modules = self._prefix.values() if module is None else [self._prefix.get(module, [0.0])]
+        return sum(self._upto(exponent, prefix) for prefix in modules)
+
+    def gradient_share(self, exponent: int) -> float:
+        """The share of the low-precision gradients' nonzero values they would lose together (0 without any)."""
+        total = sum(p[-1] for p in self._gradients)
+        return sum(self._upto(exponent, p) for p in self._gradients) / total if total else 0.0
+
+
+def _prefix(counts: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for count in counts:
+        out.append(out[-1] + count)
+    return out
 
 
 def measure_window(
     runner: Runner, survey: PassTrace, modules: list[ModuleInfo], limits: FormatLimits
 ) -> Optional[ScaleWindow]:
-    """The range of loss scales that neither overflow nor lose >= 1 % of gradient values, measured by re-runs.
+    """The range of loss scales that neither overflow nor lose >= 1 % of gradient values.
 
-    The arithmetic (largest unscaled gradient against the format's max) gives the first candidate for the top;
-    re-runs confirm it, because the gradient maxima of a non-linear backward need not scale exactly.
+    Top: the largest finite scale (``find_top``); the next one up overflows by arithmetic on the largest recorded
+    gradient, or was seen to. Bottom: predicted from the binade histograms of the reference backward (float32's
+    when allowed, else the top's), then one re-run on the side of the predicted end that was not measured yet;
+    a re-run that contradicts the prediction is followed by a bisection between measured scales.
     """
-    reference = runner.fp32()
-    if reference is None:
+    base = survey if survey.healthy() else (runner(1.0) if runner.measured(1.0) else None)
+    if base is None:
         return None
-    runner.seed(survey)
-    probes: dict[float, WindowProbe] = {}
+    top = find_top(runner, base, limits, modules)
+    if top is None:
+        return None
+    references = _references(runner, top)
+    reference = _reference_name(runner, top)
+    owners = param_owners(modules)
+    fp32_hist = runner.fp32_histograms()
+    hist, at = (fp32_hist, 0) if fp32_hist else (runner.histograms(2.0**top), top)
+    prediction = LossPrediction(hist, at, math.floor(math.log2(limits.flush_threshold)), owners)
+    ref_nonzero: dict[str, int] = defaultdict(int)
+    for name, stats in references[0].param_grads().items():
+        ref_nonzero[owners.get(name, name)] += stats.nonzero_count or 0
+    total_ref = sum(ref_nonzero.values())
+    totals: dict[int, float] = {}  # measured lost share, overall and per module, by exponent
+    shares: dict[int, dict[str, float]] = {}
 
-    def probe(exponent: int) -> WindowProbe:
-        scale = 2.0**exponent
-        if scale not in probes:
-            trace = runner(scale)
-            finite = trace.healthy()
-            lost = lost_gradients(trace, [reference], modules, FP32_REFERENCE) if finite else None
-            probes[scale] = WindowProbe(scale, finite, lost.share if lost else (0.0 if finite else None))
-        return probes[scale]
+    def measure(exponent: int) -> None:
+        if exponent not in totals:
+            lost = lost_gradients(runner(2.0**exponent), references, modules, reference)
+            totals[exponent] = lost.share if lost else 0.0
+            shares[exponent] = {s.module: s.share for s in (lost.spots if lost else ())}
 
-    def useful(exponent: int) -> bool:
-        share = probe(exponent).lost_share
-        return share is not None and share < SCALE_WINDOW_LOSS_SHARE
+    for trace in runner.runs():  # every finite power-of-two pass already run counts as measured
+        exponent = exponent_of(trace.scale)
+        if exponent is not None and 0 <= exponent <= top and trace.healthy():
+            measure(exponent)
 
-    # Top: start from the arithmetic, step down to a finite scale, then up while the next one stays finite.
-    low_grads = [
-        e.stats.abs_max or 0.0 for t in runner.runs() if t.gradients_finite() for e in t.grad_events
-        if e.stats.dtype == limits.dtype
-    ]
-    largest = max(low_grads, default=0.0)
-    top = MAX_WINDOW_EXPONENT if largest == 0 else math.floor(math.log2(limits.max / largest))
-    top = max(0, min(MAX_WINDOW_EXPONENT, top))
-    while top >= 0 and not probe(top).gradients_finite:
-        top -= 1
-    while 0 <= top < MAX_WINDOW_EXPONENT and probe(top + 1).gradients_finite:
-        top += 1
-    max_safe = 2.0**top if top >= 0 else None
-    min_useful: Optional[float] = None
-    if top >= 0 and useful(top):
-        if useful(0):
-            min_useful = 1.0
+    def useful(exponent: int, module: Optional[str] = None) -> bool:
+        """Measured where a pass ran, predicted elsewhere."""
+        if exponent in totals:
+            share = totals[exponent] if module is None else shares[exponent].get(module, 0.0)
+        elif module is None:
+            share = prediction.lost(exponent) / total_ref if total_ref else 0.0
         else:
-            good, _ = bisect_exponents(top, 0, useful)
-            min_useful = 2.0**good
+            share = prediction.lost(exponent, module) / ref_nonzero[module] if ref_nonzero.get(module) else 0.0
+        return share < SCALE_WINDOW_LOSS_SHARE
+
+    def confirmed(exponent: int) -> bool:
+        measure(exponent)
+        return useful(exponent)
+
+    min_useful: Optional[int] = None
+    if useful(top):
+        predicted = _lowest(top, useful)
+        # The bottom at scale 1 predicted with a wide margin (see CONFIDENT), the used scale not the top: no
+        # re-run. Otherwise one re-run confirms the predicted end.
+        threshold = CONFIDENT * SCALE_WINDOW_LOSS_SHARE
+        if (
+            predicted == 0
+            and 0 not in totals
+            and top != exponent_of(survey.scale)
+            and prediction.lost(0) <= threshold * total_ref
+            and prediction.gradient_share(0) < GRADIENTS_LOSING
+        ):
+            min_useful = 0
+            reference += f"; scale 1 predicted to lose under {threshold:.1%}, not re-run"
+        else:
+            min_useful = _settle_bottom(predicted, top, lambda e: e in totals, confirmed)
     per_module: dict[str, float] = {}
-    for scale in sorted(probes):
-        if not probes[scale].gradients_finite:
-            continue
-        lost = lost_gradients(runner(scale), [reference], modules, FP32_REFERENCE)
-        losing = {s.module for s in (lost.spots if lost else []) if s.share >= SCALE_WINDOW_LOSS_SHARE}
-        for info in modules:
-            if info.params and info.name not in losing:
-                per_module.setdefault(info.name, scale)
+    for info in modules:
+        if info.params and useful(top, info.name):
+            per_module[info.name] = 2.0 ** _lowest(top, functools.partial(_useful_for, useful, info.name))
+    probes = [WindowProbe(2.0**e, True, totals[e]) for e in totals]
+    probes += [WindowProbe(t.scale, False, None) for t in runner.runs() if not t.healthy()]
+    if runner.top is not None and not runner.top[1] and top < MAX_WINDOW_EXPONENT:
+        probes.append(WindowProbe(2.0 ** (top + 1), False, None))  # by arithmetic on the recorded maximum
+    unique = {p.scale: p for p in probes}
     return ScaleWindow(
         current=survey.scale,
-        max_safe=max_safe,
-        min_useful=min_useful,
-        probes=tuple(sorted(probes.values(), key=lambda p: p.scale)),
+        max_safe=2.0**top,
+        min_useful=2.0**min_useful if min_useful is not None else None,
+        probes=tuple(sorted(unique.values(), key=lambda p: p.scale)),
         module_min_useful=FrozenMap(per_module),
-        reference=FP32_REFERENCE,
+        reference=reference,
     )
+
+
+def _useful_for(useful: Callable[[int, Optional[str]], bool], module: str, exponent: int) -> bool:
+    return useful(exponent, module)
+
+
+def _lowest(top: int, useful: Callable[[int], bool]) -> int:
+    """The lowest exponent from which every one up to ``top`` is useful (losses only shrink as the scale grows, so
+    a scale measured to lose bounds every lower one's prediction)."""
+    exponent = top
+    while exponent > 0 and useful(exponent - 1):
+        exponent -= 1
+    return exponent
+
+
+def _settle_bottom(
+    predicted: int, top: int, measured: Callable[[int], bool], confirmed: Callable[[int], bool]
+) -> int:
+    """The smallest useful exponent from the first one predicted useful: one re-run on the side of that end not
+    measured yet (the other side stays predicted); a re-run that contradicts the prediction is followed by a
+    bisection with re-runs."""
+    if not measured(predicted):
+        return predicted if confirmed(predicted) else bisect_exponents(top, predicted, confirmed)[0]
+    if predicted == 0 or measured(predicted - 1) or not confirmed(predicted - 1):
+        return predicted
+    return bisect_exponents(predicted - 1, -1, lambda e: e >= 0 and confirmed(e))[0]

@@ -6,10 +6,10 @@ raise inside the user's forward or backward: they record the failure, and the pa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -22,21 +22,35 @@ from .walk import iter_tensors
 from .zoom import OpZoom
 
 
-@dataclass
 class _OpenCall:
-    index: int
-    module: str
-    call: int
-    class_name: str
-    parent: Optional[int]
-    inputs: list[tuple[str, int, bool, Optional[int], str]]
-    outputs: list[tuple[str, int, bool]] = field(default_factory=list)
-    end_order: int = -1
-    grad_enabled: bool = True  # False inside torch.no_grad() (a reentrant checkpoint's first forward)
+    """A module call as the hooks see it (slots: one of these per call, made in the hot path)."""
+
+    __slots__ = ("index", "module", "call", "class_name", "parent", "inputs", "outputs", "end_order", "grad_enabled")
+
+    def __init__(
+        self,
+        index: int,
+        module: str,
+        call: int,
+        class_name: str,
+        parent: Optional[int],
+        inputs: list[tuple[str, int, bool, Optional[int], str]],
+        grad_enabled: bool = True,
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.call = call
+        self.class_name = class_name
+        self.parent = parent
+        self.inputs = inputs
+        self.outputs: list[tuple[str, int, bool]] = []
+        self.end_order = -1
+        self.grad_enabled = grad_enabled  # False inside torch.no_grad() (a reentrant checkpoint's first forward)
 
 
-@dataclass
-class _GradSeen:
+class GradSeen(NamedTuple):
+    """A gradient seen during a backward: ``slot`` in the pass's collector, ``histogram`` index or -1."""
+
     order: int
     kind: GradKind
     slot: int
@@ -44,6 +58,15 @@ class _GradSeen:
     path: str
     param: Optional[str]
     via_base: bool
+    histogram: int = -1
+
+
+# Small parameter gradients wait in a stash (their statistics are taken together) up to this many elements in all;
+# larger ones are measured at once. Each is replaced in the backward by a zero-stride view, so no pass keeps a
+# whole model's gradients alive (a training step does).
+STASH_ELEMENTS = 1 << 20
+STASH_EACH = 1 << 16
+_ARG_PATHS = tuple(f"args[{i}]" for i in range(16))
 
 
 def register_grad_hook(t: torch.Tensor, receive: Callable[[torch.Tensor], None]) -> tuple[Any, bool]:
@@ -52,14 +75,15 @@ def register_grad_hook(t: torch.Tensor, receive: Callable[[torch.Tensor], None])
     A hook on a view never fires once a later op modifies the view in place (``ReLU(inplace=True)`` after a
     ``Linear`` on 3-D input); one on the view's base does, with the base's gradient, which is mapped back onto
     the view when the view covers only part of the base. The closure holds plain values only: it lives on the
-    autograd graph and must not keep activations alive.
+    autograd graph and must not keep activations alive. ``receive`` must return None (a hook's return value
+    replaces the gradient).
     """
-    target, view = t, None
     base = t._base
-    if base is not None and base.requires_grad:
-        target = base
-        if base.numel() != t.numel():
-            view = (tuple(t.size()), tuple(t.stride()), t.storage_offset() - base.storage_offset())
+    if base is None or not base.requires_grad:
+        return t.register_hook(receive), False
+    target, view = base, None
+    if base.numel() != t.numel():
+        view = (tuple(t.size()), tuple(t.stride()), t.storage_offset() - base.storage_offset())
     target_shape = target.shape
 
     def hook(grad: torch.Tensor) -> None:
@@ -68,11 +92,14 @@ def register_grad_hook(t: torch.Tensor, receive: Callable[[torch.Tensor], None])
             g = grad.as_strided(view[0], view[1], grad.storage_offset() + view[2])
         receive(g)
 
-    return target.register_hook(hook), target is not t
+    return target.register_hook(hook), True
 
 
 class Recorder:
-    """Installs forward hooks on every module and gradient hooks on what they return; records plain numbers."""
+    """Installs forward hooks on every module and gradient hooks on what they return; records plain numbers.
+
+    One forward, then one or more backwards on its graph (each with its own collector: :meth:`next_backward`).
+    """
 
     def __init__(
         self,
@@ -82,6 +109,7 @@ class Recorder:
         record_grads: bool,
         zoom: Optional[tuple[str, int]] = None,
         reference: Optional[FloatReference] = None,
+        histograms: int = 0,
     ) -> None:
         self.reference = reference
         self.in_backward = False
@@ -89,13 +117,16 @@ class Recorder:
         self.modules = modules
         self.collector = collector
         self.record_grads = record_grads
+        # Binade histograms (loss-scale predictions): 0 none, 1 of parameter gradients, 2 of every gradient held in
+        # the low precision too.
+        self.histograms = histograms
         self.zoom_target = zoom
         self.zoom: Optional[OpZoom] = None
         self._zoom_call: Optional[int] = None
         self.calls: list[_OpenCall] = []
         self.stack: list[int] = []
         self.counts: dict[str, int] = {}
-        self.grads: list[_GradSeen] = []
+        self.grads: list[GradSeen] = []
         self.error: Optional[BaseException] = None
         self.last_module: Optional[str] = None
         self._ends = itertools.count()
@@ -105,6 +136,8 @@ class Recorder:
         self._recompute: list[int] = []  # original call index of each re-run in progress (-1 unmatched, -2 ignored)
         self._matched: set[int] = set()
         self.uncaptured: list[str] = []  # re-run calls that could not be matched to their original call
+        self._stash: list[tuple[int, str, torch.Tensor]] = []
+        self._stashed = 0
 
     # install / remove
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
@@ -114,12 +147,13 @@ class Recorder:
         if self.record_grads:
             for name, param in params:
                 if param.requires_grad:
-                    self._handles.append(param.register_hook(self._param_hook(name)))
+                    self._handles.append(param.register_hook(functools.partial(self._param_grad, name)))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._stash.clear()
         self.close_zoom()
 
     def close_zoom(self, output: Any = None) -> None:
@@ -128,6 +162,12 @@ class Recorder:
             if output is not None:
                 self.zoom.finish(output)  # name the op behind what the call returned
             self.zoom.__exit__(None, None, None)
+
+    def next_backward(self, collector: StatsCollector) -> None:
+        """Another backward on the same graph: its gradients go to ``collector``, numbered from 0 again."""
+        self.collector = collector
+        self.grads = []
+        self._grad_order = itertools.count()
 
     @property
     def ran_without_grad(self) -> bool:
@@ -183,24 +223,30 @@ class Recorder:
             number = self.counts.get(name, 0)
             self.counts[name] = number + 1
             index = len(self.calls)
-            inputs = []
-            for path, t in itertools.chain(iter_tensors(args, "args"), iter_tensors(kwargs, "kwargs")):
-                slot = self.collector.add(t)
+            inputs: list[tuple[str, int, bool, Optional[int], str]] = []
+            if not kwargs and len(args) <= len(_ARG_PATHS) and all(type(a) is torch.Tensor for a in args):
+                pairs: Any = zip(_ARG_PATHS, args)  # the common case, without walking
+            else:
+                pairs = itertools.chain(iter_tensors(args, "args"), iter_tensors(kwargs, "kwargs"))
+            add = self.collector.add
+            for path, t in pairs:
+                slot = add(t)
                 producer, producer_path = self._producer(t)
-                inputs.append((path, slot, bool(t.requires_grad), producer, producer_path))
+                requires_grad = t.requires_grad
+                inputs.append((path, slot, requires_grad, producer, producer_path))
                 # An input returned by an earlier call already has that call's output hook: the very same
                 # gradient, so analysis reads it from there instead of a second hook.
-                if self.record_grads and t.requires_grad and t.is_floating_point() and producer is None:
+                if requires_grad and producer is None and self.record_grads and t.is_floating_point():
                     self._grad_hook(t, "input", index, path)
             parent = self.stack[-1] if self.stack else None
-            call = _OpenCall(index, name, number, type(module).__name__, parent, inputs)
-            call.grad_enabled = torch.is_grad_enabled()
-            self.calls.append(call)
+            self.calls.append(
+                _OpenCall(index, name, number, type(module).__name__, parent, inputs, torch.is_grad_enabled())
+            )
             self.stack.append(index)
             if self.reference is not None and self.reference.wants(module, name):
                 self.reference.pending[index] = (args, kwargs, RngState.capture())
             self.last_module = name
-            if self.zoom_target == (name, number) and self.zoom is None:
+            if self.zoom_target is not None and self.zoom_target == (name, number) and self.zoom is None:
                 self.zoom = OpZoom(name, number)
                 self._zoom_call = index
                 self.zoom.__enter__()
@@ -227,11 +273,14 @@ class Recorder:
             if self._zoom_call == index:
                 self.close_zoom(output)
             call = self.calls[index]
-            for path, t in iter_tensors(output, "out"):
-                slot = self.collector.add(t)
-                call.outputs.append((path, slot, bool(t.requires_grad)))
+            pairs = (("out", output),) if type(output) is torch.Tensor else iter_tensors(output, "out")
+            add = self.collector.add
+            for path, t in pairs:
+                slot = add(t)
+                requires_grad = t.requires_grad
+                call.outputs.append((path, slot, requires_grad))
                 self._remember_producer(t, index, path)
-                if self.record_grads and t.requires_grad and t.is_floating_point():
+                if requires_grad and self.record_grads and t.is_floating_point():
                     self._grad_hook(t, "output", index, path)
             call.end_order = next(self._ends)
         except Exception as exc:
@@ -252,25 +301,55 @@ class Recorder:
 
     # backward
     def _grad_hook(self, t: torch.Tensor, kind: GradKind, index: int, path: str) -> None:
-        via_base = False
-
-        def receive(g: torch.Tensor) -> None:
-            try:
-                slot = self.collector.add(g)
-                self.grads.append(_GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base))
-            except Exception as exc:
-                self.error = self.error or exc
-
-        handle, via_base = register_grad_hook(t, receive)
+        base = t._base
+        via_base = base is not None and base.requires_grad
+        handle, _ = register_grad_hook(t, functools.partial(self._receive, kind, index, path, via_base))
         self._handles.append(handle)
 
-    def _param_hook(self, name: str) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            try:
-                slot = self.collector.add(grad)
-                self.grads.append(_GradSeen(next(self._grad_order), "param", slot, None, "grad", name, False))
-            except Exception as exc:
-                self.error = self.error or exc
+    def _receive(self, kind: GradKind, index: int, path: str, via_base: bool, grad: torch.Tensor) -> None:
+        try:
+            slot = self.collector.add_fresh(grad)
+            hist = -1
+            if self.histograms > 1 and grad.dtype == self.collector.low_dtype and grad.numel():
+                hist = self.collector.add_histogram(grad)
+            self.grads.append(GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base, hist))
+        except Exception as exc:
+            self.error = self.error or exc
 
-        return hook
+    def _param_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """A parameter's gradient: its order now, its statistics from the stash; the backward gets a zero-stride
+        stand-in (nothing reads it), so the real gradient is freed once measured."""
+        try:
+            self._stash.append((next(self._grad_order), name, grad))
+            self._stashed += grad.numel()
+            if self._stashed >= STASH_ELEMENTS or grad.numel() >= STASH_EACH:
+                self.flush_params()
+        except Exception as exc:
+            self.error = self.error or exc
+        return _zeros_like(grad)
 
+    def flush_params(self) -> None:
+        """Measure the stashed parameter gradients (after a backward, or when the stash is full)."""
+        if not self._stash:
+            return
+        measured = self.collector.add_many([grad for _, _, grad in self._stash], self.histograms > 0)
+        for (order, name, _), (slot, hist) in zip(self._stash, measured):
+            self.grads.append(GradSeen(order, "param", slot, None, "grad", name, False, hist))
+        self._stash.clear()
+        self._stashed = 0
+
+
+_ZEROS: dict[tuple[torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """A zero-stride view of one zero in ``t``'s shape: what a parameter-gradient hook hands on instead of the
+    gradient (the pass never reads the returned gradients; autograd copies a view like this before it would
+    accumulate into it). Cached per dtype, device and shape: a model's shapes come back in every backward."""
+    key = (t.dtype, t.device, tuple(t.shape))
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        if len(_ZEROS) > 256:
+            _ZEROS.clear()
+        zeros = _ZEROS[key] = torch.zeros((), dtype=t.dtype, device=t.device).expand(key[2])
+    return zeros

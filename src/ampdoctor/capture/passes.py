@@ -18,6 +18,7 @@ from torch import nn
 
 from ..errors import AmpDoctorError, InternalError, InvalidInput, ModelRaised
 from ..records import LOSS, GradEvent, ModuleCall, ModuleInfo, ParamRecord, PassTrace, TensorRecord, TensorStats
+from ..thresholds import GRADIENT_KEY
 from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hooks import Recorder
@@ -28,6 +29,9 @@ from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+# A survey keeps its graph for the probes when the parameters' gradients are at least this many times the largest
+# recorded tensor (see _Step.cheap_to_keep).
+KEEP_FACTOR = 4
 
 
 @dataclass
@@ -77,6 +81,25 @@ def resolve_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> tuple[to
     return loss.reshape(()), source
 
 
+class SharedForward:
+    """Lets backwards at other loss scales reuse one forward and its graph instead of running the step again.
+
+    Exact: the backward is linear in the loss gradient, so a backward at another power-of-two scale sees every
+    gradient multiplied by that power of two, and the forward (same RNG draws, same weights) would be identical.
+    ``run_pass(..., share=...)`` keeps the graph of a survey-level pass here; the next compatible pass runs its
+    backward only, any other pass releases it first (never two passes' graphs alive at once).
+    """
+
+    def __init__(self) -> None:
+        self.step: Optional[_Step] = None
+        self.histograms: dict[str, list[float]] = {}  # of the last pass run through ``run_pass(share=...)``
+
+    def release(self) -> None:
+        step, self.step = self.step, None
+        if step is not None:
+            step.close()
+
+
 def run_pass(
     spec: PassSpec,
     scale: float,
@@ -86,112 +109,229 @@ def run_pass(
     backward_zoom: bool = False,
     reference: Union[bool, int] = False,
     guard: Optional[StateGuard] = None,
+    *,
+    share: Optional[SharedForward] = None,
+    keep: bool = True,
+    histograms: int = 0,
 ) -> tuple[PassTrace, str]:
     """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
 
     ``autocast=False`` runs the same step in float32: the reference for counting underflowed gradients.
     ``backward_zoom`` records each autograd node's forward stack (anomaly mode) and finds the backward op that
     made the first non-finite gradient. ``reference`` (True: leaf modules; an int n: the modules n levels down)
-    compares each chosen call against a float32 re-run of that call alone.
+    compares each chosen call against a float32 re-run of that call alone. ``histograms``: binade histograms of
+    the parameter gradients (1), and of every gradient held in the low precision too (2): ``share.histograms``
+    afterwards, by parameter name, and ``GRADIENT_KEY`` + the gradient's order for the others.
 
-    The caller rewinds RNG and buffers before each pass (``guard``); the forward runs under the guard's
-    copy-on-write of parameters. Gradients are taken with ``torch.autograd.grad`` so no ``.grad`` field is
-    touched.
+    With ``share``, a survey-level pass keeps its graph there (unless ``keep`` is False), and a later
+    survey-level pass of the same spec at another scale runs only its backward on it; any other pass first
+    releases the graph kept there. The guard rewinds RNG, parameters and buffers before each
+    forward; the forward runs under the guard's copy-on-write of parameters. Gradients are taken with
+    ``torch.autograd.grad`` so no ``.grad`` field is touched.
     """
-    collector = StatsCollector(spec.dtype, detailed)
-    modules = [m for m in spec.root.modules()]
-    float_reference = None
-    if reference is not False:
-        depth = None if reference is True else int(reference)
-        float_reference = FloatReference(collector, depth, spec.device_type)
-    recorder = Recorder(spec.names, modules, collector, spec.backward, zoom, float_reference)
-    batch_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(spec.batch, "batch")]
-    loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
-    backward_ran = False
-    back_zoom = BackwardZoom() if backward_zoom else None
-    # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
-    # time (nothing here forms cycles that need it before the pass ends).
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    writes = guard.guard_writes() if guard is not None else contextlib.nullcontext()
-    # The emulated CUDA policy stays installed for the backward too (checkpoint recomputes run under it).
-    emulation = installed_cuda_policy() if spec.policy == "cuda_emulated" else contextlib.nullcontext()
-    autocast_on = False
+    # Same spec, same options, and no module's forward replaced since (a float32 fallback under verification).
+    modules = list(spec.root.modules())
+    overrides = tuple(id(m.__dict__.get("forward")) for m in modules)
+    key = (id(spec), spec.dtype, detailed, zoom, autocast, backward_zoom, reference, overrides)
+    if share is not None and share.step is not None:
+        if keep and share.step.key == key and share.step.repeatable:
+            trace = share.step.backward(scale, keep=True, histograms=histograms)
+            share.histograms = share.step.histograms
+            return trace, share.step.loss_source
+        share.release()
+    step = _Step(spec, modules, key, detailed, zoom, autocast, backward_zoom, reference, guard)
+    kept = False
     try:
-        recorder.install(spec.params)
-        with torch.enable_grad(), _anomaly(backward_zoom), emulation as emulated:
-            with _autocast(spec, autocast), writes:
-                autocast_on = autocast_enabled("cpu" if spec.policy == "cuda_emulated" else spec.device_type)
-                try:
-                    output = call_model(spec.root, spec.batch)
-                except Exception as exc:
-                    where = f" (last module that ran: '{recorder.last_module or '<root>'}'"
-                    if recorder.stack:
-                        inner = recorder.calls[recorder.stack[-1]].module
-                        if inner != recorder.last_module:
-                            where += f", inside '{inner or '<root>'}'"
-                    where += ")"
-                    raise ModelRaised(
-                        f"the model's forward raised {type(exc).__name__}: {exc}{where}",
-                        "forward",
-                        recorder.last_module,
-                    ) from exc
-                finally:
-                    recorder.close_zoom()
-                try:
-                    if loss_zoom is not None:
-                        with loss_zoom:
-                            loss, loss_source = resolve_loss(output, spec.batch, spec.loss_fn)
-                            loss_zoom.finish(loss)
-                    else:
-                        loss, loss_source = resolve_loss(output, spec.batch, spec.loss_fn)
-                except AmpDoctorError:
-                    raise
-                except Exception as exc:
-                    raise ModelRaised(f"the loss raised {type(exc).__name__}: {exc}", "loss") from exc
-            output_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(output, "out")]
-            loss_slot = collector.add(loss)
-            inputs = [p for _, p in spec.params if p.requires_grad]
-            if spec.backward and loss.requires_grad and inputs:
-                # What GradScaler.scale does: multiply by a 0-d fp32 scale tensor (never call the user's scaler).
-                # A 0-d CPU tensor works with a tensor on any device and needs no host-to-device copy.
-                scaled = loss * torch.tensor(scale, dtype=torch.float32)
-                recorder.in_backward = True
-                try:
-                    with back_zoom if back_zoom is not None else contextlib.nullcontext():
-                        if recorder.ran_without_grad:
-                            # A reentrant checkpoint runs its region's backward with .backward() inside, which
-                            # refuses autograd.grad: take the gradients with .backward() on set-aside .grads.
-                            _backward_keeping_grads(scaled, [p for _, p in spec.params])
-                        else:
-                            torch.autograd.grad(scaled, inputs, allow_unused=True)
-                except Exception as exc:
-                    raise ModelRaised(f"the backward raised {type(exc).__name__}: {exc}", "backward") from exc
-                backward_ran = True
-            del output, loss
+        step.forward()
+        kept = share is not None and keep and step.repeatable and step.cheap_to_keep()
+        trace = step.backward(scale, keep=kept, histograms=histograms)
     finally:
-        recorder.remove()
-        if gc_was_enabled:
-            gc.enable()
-    if recorder.error is not None:
-        raise InternalError(
-            f"ampdoctor failed while recording ({type(recorder.error).__name__}: {recorder.error}); "
-            "please report this with the model class"
-        ) from recorder.error
-    stats = collector.read()
-    trace = _build_trace(recorder, stats, scale, detailed, batch_slots, output_slots, loss_slot, backward_ran)
-    finding = loss_zoom.finding if loss_zoom is not None else (recorder.zoom.finding if recorder.zoom else None)
-    backward_finding = back_zoom.finding if back_zoom is not None else None
-    comparisons = tuple(float_reference.records()) if float_reference is not None else ()
-    zooms = (("forward", loss_zoom or recorder.zoom), ("backward", back_zoom))
-    notes = tuple(f"the {kind} op zoom could not inspect {z.error}" for kind, z in zooms if z is not None and z.error)
-    if emulated is not None:
-        notes += tuple(emulated.notes())
-    trace = dataclasses.replace(
-        trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
-        autocast=autocast_on,
-    )
-    return trace, loss_source
+        if not kept:
+            step.close()
+    if share is not None:
+        share.histograms = step.histograms
+        if kept:
+            share.step = step
+    return trace, step.loss_source
+
+
+class _Step:
+    """One instrumented forward (hooks, autocast, copy-on-write of parameters), then one or more backwards."""
+
+    def __init__(
+        self,
+        spec: PassSpec,
+        modules: list[nn.Module],
+        key: tuple[Any, ...],
+        detailed: bool,
+        zoom: Optional[tuple[str, int]],
+        autocast: bool,
+        backward_zoom: bool,
+        reference: Union[bool, int],
+        guard: Optional[StateGuard],
+    ) -> None:
+        self.spec, self.key, self.detailed, self.guard = spec, key, detailed, guard
+        self.autocast, self.backward_zoom = autocast, backward_zoom
+        # Activations and their gradients: min and max at the survey level (zeros only where analysis counts them).
+        self.collector = StatsCollector(spec.dtype, detailed, zeros=False)
+        self.float_reference = None
+        if reference is not False:
+            depth = None if reference is True else int(reference)
+            self.float_reference = FloatReference(self.collector, depth, spec.device_type)
+        self.recorder = Recorder(spec.names, modules, self.collector, spec.backward, zoom, self.float_reference)
+        self.loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
+        self.back_zoom = BackwardZoom() if backward_zoom else None
+        self.contexts = contextlib.ExitStack()
+        self.output: Any = None
+        self.loss: Optional[torch.Tensor] = None
+        self.loss_source = ""
+        self.autocast_on = False
+        self.emulated: Any = None
+        self.first: Optional[PassTrace] = None
+        self.backwards = 0
+        self.histograms: dict[str, list[float]] = {}
+        self.slots: tuple[list[tuple[str, int, bool]], list[tuple[str, int, bool]], int] = ([], [], -1)
+        self.gc_was_enabled = gc.isenabled()
+
+    @property
+    def repeatable(self) -> bool:
+        """Another backward on this graph gives what a new pass would: a survey-level pass whose graph holds no
+        reentrant checkpoint (its re-run matching is per backward), no anomaly zoom, no parameter written."""
+        return (
+            self.loss is not None
+            and not self.detailed
+            and self.back_zoom is None
+            and not self.recorder.ran_without_grad
+            and (self.guard is None or not self.guard.saved)
+        )
+
+    def cheap_to_keep(self) -> bool:
+        """Keeping the graph through the backward costs about the activation gradients in flight at its end
+        (a backward frees saved tensors as it goes; a kept graph does not); a pass never holds the parameter
+        gradients that a training step does. Keep it when those gradients outweigh a few of the largest recorded
+        tensors (a large embedding or many weights); re-run the forward instead where activations dominate."""
+        largest = max((self.collector.nbytes(slot) for c in self.recorder.calls for _, slot, _ in c.outputs), default=0)
+        grads = sum(p.numel() * 4 for _, p in self.spec.params if p.requires_grad)
+        return KEEP_FACTOR * largest <= grads
+
+    def forward(self) -> None:
+        spec, recorder, collector = self.spec, self.recorder, self.collector
+        if self.guard is not None:
+            self.guard.rewind()  # the same RNG draws, parameters and buffers for every pass: re-runs are identical
+        batch_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(spec.batch, "batch")]
+        # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
+        # time (nothing here forms cycles that need it before the pass ends).
+        gc.disable()
+        writes = self.guard.guard_writes() if self.guard is not None else contextlib.nullcontext()
+        # The emulated CUDA policy stays installed for the backward too (checkpoint recomputes run under it).
+        emulation = installed_cuda_policy() if spec.policy == "cuda_emulated" else contextlib.nullcontext()
+        recorder.install(spec.params)
+        self.contexts.enter_context(torch.enable_grad())
+        self.contexts.enter_context(_anomaly(self.backward_zoom))
+        self.emulated = self.contexts.enter_context(emulation)
+        with _autocast(spec, self.autocast), writes:
+            self.autocast_on = autocast_enabled("cpu" if spec.policy == "cuda_emulated" else spec.device_type)
+            try:
+                output = call_model(spec.root, spec.batch)
+            except Exception as exc:
+                where = f" (last module that ran: '{recorder.last_module or '<root>'}'"
+                if recorder.stack:
+                    inner = recorder.calls[recorder.stack[-1]].module
+                    if inner != recorder.last_module:
+                        where += f", inside '{inner or '<root>'}'"
+                where += ")"
+                raise ModelRaised(
+                    f"the model's forward raised {type(exc).__name__}: {exc}{where}", "forward", recorder.last_module
+                ) from exc
+            finally:
+                recorder.close_zoom()
+            try:
+                with self.loss_zoom if self.loss_zoom is not None else contextlib.nullcontext():
+                    loss, self.loss_source = resolve_loss(output, spec.batch, spec.loss_fn)
+                    if self.loss_zoom is not None:
+                        self.loss_zoom.finish(loss)  # name the op behind the loss itself
+            except AmpDoctorError:
+                raise
+            except Exception as exc:
+                raise ModelRaised(f"the loss raised {type(exc).__name__}: {exc}", "loss") from exc
+        output_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(output, "out")]
+        self.slots = (batch_slots, output_slots, collector.add(loss))
+        self.output, self.loss = output, loss
+
+    def backward(self, scale: float, keep: bool, histograms: int = 0) -> PassTrace:
+        """The scaled backward on this forward's graph, and the pass's records (one readback)."""
+        spec, recorder, loss = self.spec, self.recorder, self.loss
+        assert loss is not None
+        if self.backwards:
+            self.collector = StatsCollector(spec.dtype, self.detailed, zeros=False)
+            recorder.next_backward(self.collector)
+        recorder.histograms = histograms
+        inputs = [p for _, p in spec.params if p.requires_grad]
+        backward_ran = False
+        if spec.backward and loss.requires_grad and inputs:
+            # What GradScaler.scale does: multiply by a 0-d fp32 scale tensor (never call the user's scaler).
+            # A 0-d CPU tensor works with a tensor on any device and needs no host-to-device copy.
+            scaled = loss * torch.tensor(scale, dtype=torch.float32)
+            recorder.in_backward = True
+            try:
+                with self.back_zoom if self.back_zoom is not None else contextlib.nullcontext():
+                    if recorder.ran_without_grad:
+                        # A reentrant checkpoint runs its region's backward with .backward() inside, which
+                        # refuses autograd.grad: take the gradients with .backward() on set-aside .grads.
+                        _backward_keeping_grads(scaled, [p for _, p in spec.params])
+                    else:
+                        torch.autograd.grad(scaled, inputs, allow_unused=True, retain_graph=keep)
+                recorder.flush_params()
+            except Exception as exc:
+                raise ModelRaised(f"the backward raised {type(exc).__name__}: {exc}", "backward") from exc
+            finally:
+                del scaled
+            backward_ran = True
+        if recorder.error is not None:
+            raise InternalError(
+                f"ampdoctor failed while recording ({type(recorder.error).__name__}: {recorder.error}); "
+                "please report this with the model class"
+            ) from recorder.error
+        stats = self.collector.read()
+        self.histograms = {
+            g.param if g.param is not None else f"{GRADIENT_KEY}{g.order}": self.collector.histograms[g.histogram]
+            for g in recorder.grads
+            if g.histogram >= 0
+        }
+        self.backwards += 1
+        if self.first is not None:
+            events = _grad_events(recorder, stats, scale)
+            return dataclasses.replace(
+                self.first, scale=scale, grad_events=events, backward_ran=backward_ran, backward_op_finding=None
+            )
+        batch_slots, output_slots, loss_slot = self.slots
+        trace = _build_trace(recorder, stats, scale, self.detailed, batch_slots, output_slots, loss_slot, backward_ran)
+        loss_zoom = self.loss_zoom
+        finding = loss_zoom.finding if loss_zoom is not None else (recorder.zoom.finding if recorder.zoom else None)
+        backward_finding = self.back_zoom.finding if self.back_zoom is not None else None
+        float_reference = self.float_reference
+        comparisons = tuple(float_reference.records()) if float_reference is not None else ()
+        zooms = (("forward", loss_zoom or recorder.zoom), ("backward", self.back_zoom))
+        notes = tuple(
+            f"the {kind} op zoom could not inspect {z.error}" for kind, z in zooms if z is not None and z.error
+        )
+        if self.emulated is not None:
+            notes += tuple(self.emulated.notes())
+        self.first = dataclasses.replace(
+            trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
+            autocast=self.autocast_on,
+        )
+        return self.first
+
+    def close(self) -> None:
+        """Drop the graph and every hook; put the global state (grad mode, anomaly, emulation) back."""
+        self.output = self.loss = None
+        try:
+            self.recorder.remove()
+            self.contexts.close()
+        finally:
+            if self.gc_was_enabled:
+                gc.enable()
 
 
 def _leaves(root: torch.Tensor) -> list[torch.Tensor]:
@@ -257,27 +397,11 @@ def _build_trace(
         )
         for c in recorder.calls
     ]
-    unscaled: dict[int, TensorStats] = {}
-    for g in recorder.grads:  # the same gradient seen by several hooks is divided once
-        if g.slot not in unscaled:
-            unscaled[g.slot] = stats[g.slot].scaled_down(scale)
-    events = [
-        GradEvent(
-            order=g.order,
-            kind=g.kind,
-            stats=unscaled[g.slot],
-            call=g.call,
-            path=g.path,
-            param=g.param,
-            via_base=g.via_base,
-        )
-        for g in recorder.grads
-    ]
     return PassTrace(
         scale=scale,
         detailed=detailed,
         calls=tuple(calls),
-        grad_events=tuple(events),
+        grad_events=_grad_events(recorder, stats, scale),
         batch=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in batch_slots),
         output=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in output_slots),
         loss=stats[loss_slot],
@@ -286,9 +410,29 @@ def _build_trace(
     )
 
 
-def capture_params(spec: PassSpec, modules: list[tuple[str, nn.Module]]) -> list[ModuleInfo]:
-    """Detailed statistics of every module's own parameters, read back at once (they do not change per pass)."""
-    collector = StatsCollector(spec.dtype, detailed=True)
+def _grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> tuple[GradEvent, ...]:
+    """The gradients of one backward, in execution order, unscaled (the same gradient seen twice divided once)."""
+    unscaled: dict[int, TensorStats] = {}
+    events = []
+    for g in sorted(recorder.grads):
+        found = unscaled.get(g.slot)
+        if found is None:
+            found = unscaled[g.slot] = _unscaled(stats[g.slot], scale)
+        events.append(GradEvent(g.order, g.kind, found, g.call, g.path, g.param, g.via_base))
+    return tuple(events)
+
+
+def _unscaled(stats: TensorStats, scale: float) -> TensorStats:
+    """``stats.scaled_down(scale)``, built directly for survey-level statistics (a few per module call)."""
+    if stats.detailed or stats.min is None or stats.max is None or scale == 1.0:
+        return stats.scaled_down(scale)
+    return TensorStats(stats.dtype, stats.shape, stats.min / scale, stats.max / scale, stats.zero_count)
+
+
+def capture_params(spec: PassSpec, modules: list[tuple[str, nn.Module]], detailed: bool = True) -> list[ModuleInfo]:
+    """Statistics of every module's own parameters, read back at once (they do not change per pass): min, max and
+    zeros, or every detailed statistic."""
+    collector = StatsCollector(spec.dtype, detailed=detailed)
     canonical = {id(p): name for name, p in spec.params}
     layout = []
     for name, module in modules:

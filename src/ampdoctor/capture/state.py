@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .stats import chunks
+
 
 def _cuda_ready() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -97,7 +99,6 @@ _INPLACE_DUNDERS = frozenset(
 ) | {"__setitem__", "__set__"}
 # Fingerprints read tensors in chunks of this many elements (no full-size temporaries).
 _FINGERPRINT_CHUNK = 1 << 22
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # torch.nn.functional calls that write their weight in place inside (a TorchFunctionMode sees only the outer
@@ -133,23 +134,33 @@ def _storage_key(t: torch.Tensor) -> Optional[int]:
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """Two integer checksums of each tensor's bytes (sum of the bit patterns, and of their squares), computed in
-    chunks on the tensor's device and read back once: a cheap test that nothing wrote a tensor."""
+    """Two integer checksums of each tensor's bytes, computed on the tensor's device and read back once: a cheap
+    test that nothing wrote a tensor. The bytes are summed as wrapping 64-bit and 32-bit integers (same-type sums
+    run at memory speed; no temporaries): any single changed element moves the first."""
     sums: list[torch.Tensor] = []
     for t in tensors:
-        flat = t.detach().reshape(-1)
-        if flat.numel() == 0 or flat.is_complex() or flat.device.type == "meta":
-            sums.append(torch.zeros(2, dtype=torch.int64))
-            continue
-        bits = flat.view(_INT_OF_SIZE[flat.element_size()]) if flat.element_size() in _INT_OF_SIZE else flat
+        flat = t.detach()
         total = torch.zeros(2, dtype=torch.int64, device=flat.device)
-        for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
-            chunk = bits[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
-            total += torch.stack((chunk.sum(), (chunk * chunk).sum()))
+        if flat.numel() and not flat.is_complex() and flat.device.type != "meta":
+            for chunk in chunks(flat, _FINGERPRINT_CHUNK):
+                total += _checksums(chunk)
         sums.append(total.cpu())
     if not sums:
         return []
     return [(int(a), int(b)) for a, b in torch.stack(sums).tolist()]
+
+
+def _checksums(chunk: torch.Tensor) -> torch.Tensor:
+    data = chunk.view(torch.uint8)
+    whole = data.numel() // 8 * 8 if chunk.storage_offset() * chunk.element_size() % 8 == 0 else 0
+    main, tail = data[:whole], data[whole:]
+    out = torch.zeros(2, dtype=torch.int64, device=chunk.device)
+    if whole:
+        out[0] += main.view(torch.int64).sum()
+        out[1] += main.view(torch.int32).sum(dtype=torch.int32).to(torch.int64)
+    if tail.numel():
+        out += tail.to(torch.int64).sum()
+    return out
 
 
 class _WriteGuard(TorchFunctionMode):

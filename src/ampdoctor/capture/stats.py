@@ -1,24 +1,30 @@
 """Tensor statistics computed on the tensor's own device and read back once per pass.
 
-Each statistic is kept as a 0-d tensor on the device; :meth:`StatsCollector.read` stacks them and copies
+Each statistic is kept as a small tensor on the device; :meth:`StatsCollector.read` stacks them and copies
 them to the host in a single transfer per device, so a pass costs one host synchronisation, not one per
 tensor or per statistic. No reference to a measured tensor is kept.
+
+Cost: the survey level is one ``aminmax`` and one ``count_nonzero`` per tensor (no temporaries). The detailed
+level reads a tensor in chunks of :data:`CHUNK` elements, so its temporaries stay small however large the tensor
+(a 175 MiB embedding weight costs a few MiB of scratch, not five full-size copies).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import torch
 
 from ..records import FormatLimits, TensorStats
+from ..thresholds import HIST_HIGH, HIST_LOW
 from .dtypes import dtype_name
 
-# Statistic names in the order they are stacked. The survey level takes one fused min/max and a zero count.
+# Statistic names in the order records list them. The survey level takes one fused min/max and a zero count.
 SURVEY_FIELDS = ("min", "max", "zero_count")
 DETAIL_FIELDS = SURVEY_FIELDS + (
     "nan_count",
@@ -31,7 +37,19 @@ DETAIL_FIELDS = SURVEY_FIELDS + (
     "cast_overflow_count",
     "cast_flush_count",
 )
-_COUNT_FIELDS = {name for name in DETAIL_FIELDS if name.endswith("_count")}
+# Detailed statistics are reduced over chunks of this many elements (scratch memory per chunk: a few bytes each).
+CHUNK = 1 << 20
+# Histograms of large tensors go chunk by chunk in pieces this small (their scratch stays in the cache), and
+# tensors up to this size are histogrammed together (``add_many``).
+HIST_CHUNK = BATCH_EACH = 1 << 16
+# Gradient histograms: bin 1 + k - HIST_LOW counts binade 2**k for HIST_LOW <= k < HIST_HIGH; bin 0 everything
+# nonzero below 2**HIST_LOW, the last bin everything finite from 2**HIST_HIGH up.
+HIST_BINS = HIST_HIGH - HIST_LOW + 2
+_FP32_BIAS = 127
+# Counts computed per chunk by _detail_chunk, in this order; then finite_min, finite_max, min_abs_nonzero.
+_COUNTS = ("nonzero", "nan", "posinf", "neginf", "below_tiny", "at_or_below_flush", "at_or_above_overflow")
+_DIRECT = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_NAMES = {dtype: dtype_name(dtype) for dtype in _DIRECT}
 
 
 def format_limits(dtype: torch.dtype) -> FormatLimits:
@@ -59,13 +77,18 @@ def measuring() -> bool:
     return getattr(_internal, "depth", 0) > 0
 
 
-@dataclass
-class _Slot:
-    dtype: str
-    shape: tuple[int, ...]
-    device: Optional[torch.device]  # None: nothing measured (not floating, or empty)
-    position: int  # index among the measured tensors of its device
-    detailed: bool
+def chunks(x: torch.Tensor, size: int = CHUNK) -> Iterator[torch.Tensor]:
+    """``x`` flattened, in pieces of at most ``size`` elements; only a non-contiguous piece is ever copied."""
+    if x.is_contiguous() or x.numel() <= size:
+        flat = x.reshape(-1)
+        for start in range(0, flat.numel(), size):
+            yield flat[start : start + size]
+    elif x.shape[0] == 1:
+        yield from chunks(x[0], size)
+    else:  # a large non-contiguous tensor: whole rows of its first dimension at a time
+        rows = max(1, size // max(1, x[0].numel()))
+        for start in range(0, x.shape[0], rows):
+            yield from chunks(x[start : start + rows], size)
 
 
 class StatsCollector:
@@ -74,155 +97,332 @@ class StatsCollector:
     ``add`` returns a slot number; the same tensor object at the same version is measured once.
     """
 
-    def __init__(self, low_dtype: torch.dtype, detailed: bool) -> None:
+    def __init__(self, low_dtype: torch.dtype, detailed: bool, zeros: bool = True) -> None:
         self.low_dtype = low_dtype
         self.detailed = detailed
-        self._tiny = torch.finfo(low_dtype).tiny
-        self._slots: list[_Slot] = []
-        self._values: dict[torch.device, dict[str, list[torch.Tensor]]] = {}
-        self._positions: dict[torch.device, dict[bool, int]] = {}
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, bool, int]] = {}
+        self.zeros = zeros  # the survey level counts zeros (False: min and max only, the cheapest record)
+        self._limits = format_limits(low_dtype)
+        # Per slot: (dtype name, shape, device or None when not measured, index in its lists, level, zero index);
+        # level 0: min/max, 1: min/max and zeros, 2: detailed.
+        self._slots: list[tuple[str, tuple[int, ...], Optional[torch.device], int, int, int]] = []
+        self._survey: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._details: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._hists: list[tuple[torch.device, int]] = []
+        self._hist_values: dict[torch.device, list[torch.Tensor]] = {}
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int]] = {}
         self._value_groups: list[tuple[torch.device, int, int]] = []
+        self._values: dict[torch.device, list[torch.Tensor]] = {}
         self.values: list[list[float]] = []
+        self.histograms: list[list[float]] = []  # counts (as exact floats), in add_histogram order
         self.readbacks = 0
 
     def add(self, tensor: torch.Tensor, detailed: Optional[bool] = None) -> int:
-        want_detail = self.detailed if detailed is None else detailed
+        level = 2 if (self.detailed if detailed is None else detailed) else int(self.zeros)
         key = id(tensor)
         seen = self._seen.get(key)
         version = tensor._version
-        if seen is not None and seen[0]() is tensor and seen[1] == version and seen[2] == want_detail:
+        if seen is not None and seen[1] == version and seen[2] == level and seen[0]() is tensor:
             return seen[3]
         _internal.depth = getattr(_internal, "depth", 0) + 1
         try:
-            slot = self._measure(tensor.detach(), want_detail)
+            slot = self._measure(tensor.detach(), level)
         finally:
             _internal.depth -= 1
         try:
-            self._seen[key] = (weakref.ref(tensor), version, want_detail, slot)
+            self._seen[key] = (weakref.ref(tensor), version, level, slot)
         except TypeError:  # a tensor subclass without weakref support: measure again next time
             pass
         return slot
 
-    def _measure(self, x: torch.Tensor, detailed: bool) -> int:
+    def add_fresh(self, tensor: torch.Tensor) -> int:
+        """``add`` for a tensor made just now and seen once (a gradient in a hook): no lookup of earlier slots."""
+        _internal.depth = getattr(_internal, "depth", 0) + 1
+        try:
+            return self._measure(tensor.detach() if tensor.requires_grad else tensor,
+                                 2 if self.detailed else int(self.zeros))
+        finally:
+            _internal.depth -= 1
+
+    def _measure(self, x: torch.Tensor, level: int, nonzero: Optional[torch.Tensor] = None) -> int:
         shape = tuple(x.shape)
-        if not x.is_floating_point() or x.numel() == 0 or x.is_complex():
-            self._slots.append(_Slot(dtype_name(x.dtype), shape, None, -1, False))
+        dtype = x.dtype
+        name = _NAMES.get(dtype) or dtype_name(dtype)
+        if dtype not in _DIRECT and (not x.is_floating_point() or x.is_complex()) or x.numel() == 0:
+            self._slots.append((name, shape, None, -1, 0, -1))
             return len(self._slots) - 1
-        dtype = dtype_name(x.dtype)
-        if x.element_size() == 1:  # float8: few kernels support it; its values are exact in float32
-            x = x.float()
         device = x.device
-        per_device = self._values.setdefault(device, {})
-        values = self._detail(x) if detailed else self._survey(x)
-        # Survey and detail slots are stacked separately, so each has its own running position.
-        positions = self._positions.setdefault(device, {True: 0, False: 0})
-        position = positions[detailed]
-        positions[detailed] += 1
-        prefix = "d:" if detailed else "s:"
-        for name, value in zip(DETAIL_FIELDS if detailed else SURVEY_FIELDS, values):
-            per_device.setdefault(prefix + name, []).append(value)
-        self._slots.append(_Slot(dtype, shape, device, position, detailed))
+        zindex = -1
+        if level == 2:
+            counts, extremes = self._detail(x)
+            lists = self._details.get(device)
+            if lists is None:
+                lists = self._details[device] = ([], [])
+            lists[0].append(counts)
+            lists[1].append(extremes)
+            index = len(lists[0]) - 1
+        else:
+            w = x if dtype in _DIRECT else x.float()  # float8: few kernels support it; exact in float32
+            low, high = torch.aminmax(w)  # one pass; NaN and inf show up in the result
+            survey = self._survey.get(device)
+            if survey is None:
+                survey = self._survey[device] = ([], [], [])
+            survey[0].append(low)
+            survey[1].append(high)
+            index = len(survey[0]) - 1
+            if level == 1:  # stored as a nonzero count, turned into a zero count in read()
+                survey[2].append(torch.count_nonzero(w) if nonzero is None else nonzero)
+                zindex = len(survey[2]) - 1
+        self._slots.append((name, shape, device, index, level, zindex))
         return len(self._slots) - 1
 
-    @staticmethod
-    def _survey(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        low, high = torch.aminmax(x)  # one pass; NaN and inf show up in the result
-        return low, high, torch.count_nonzero(x)  # turned into a zero count in read()
+    # -- the detailed level, chunk by chunk ---------------------------------------------------------------------
+    def _detail(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Counts (int64, in ``_COUNTS`` order) and (finite_min, finite_max, min_abs_nonzero) of ``x``."""
+        parts = [self._detail_chunk(c) for c in chunks(x, CHUNK)]
+        if len(parts) == 1:
+            return parts[0]
+        counts = torch.stack([p[0] for p in parts]).sum(0)
+        extremes = torch.stack([p[1] for p in parts])
+        return counts, torch.stack((extremes[:, 0].amin(), extremes[:, 1].amax(), extremes[:, 2].amin()))
 
-    def _detail(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _detail_chunk(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # float16/bfloat16/float8 values are exact in float32, where the low format's edges are exact too; the
+        # comparisons with the exact single-rounding edges then count what a cast to the low format does.
+        w = c if c.dtype in (torch.float32, torch.float64) else c.float()
         inf = math.inf
-        finite = torch.isfinite(x)
-        low, high = torch.aminmax(x)
-        magnitude = torch.where(finite, x.abs(), 0.0)
-        nonzero_magnitude = torch.where(magnitude > 0, magnitude, inf)
-        if x.dtype == self.low_dtype:
-            cast_overflow = cast_flush = torch.zeros((), dtype=torch.int64, device=x.device)
-        elif x.dtype == torch.float64:
-            # torch casts float64 to float16/bfloat16 through float32, rounding twice: 65519.999999 would become
-            # inf and 2**-25 * (1 + 2**-40) zero. Count with the exact single-rounding edges instead; they are
-            # exact in float64. ``magnitude`` is already 0 for non-finite values.
-            limits = format_limits(self.low_dtype)
-            cast_overflow = (magnitude >= limits.overflow_threshold).sum()
-            cast_flush = ((magnitude > 0) & (magnitude <= limits.flush_threshold)).sum()
-        else:
-            cast = x.to(self.low_dtype)
-            cast_overflow = (torch.isinf(cast) & finite).sum()
-            cast_flush = ((cast == 0) & (x != 0) & finite).sum()
-            del cast
-        return (
-            low,
-            high,
-            torch.count_nonzero(x),  # turned into a zero count in read()
-            torch.isnan(x).sum(),
-            torch.isposinf(x).sum(),
-            torch.isneginf(x).sum(),
-            torch.where(finite, x, inf).amin(),
-            torch.where(finite, x, -inf).amax(),
-            nonzero_magnitude.amin(),
-            (nonzero_magnitude < self._tiny).sum(),
-            cast_overflow,
-            cast_flush,
+        limits = self._limits
+        a = w.abs()
+        count = torch.count_nonzero  # (a bool tensor's sum() converts every element to int64 first: slower)
+        counts = torch.stack(
+            (
+                count(w),
+                count(torch.isnan(w)),
+                count(w == inf),
+                count(w == -inf),
+                count(a < limits.tiny),  # zeros included (subtracted in read); NaN compares false
+                count(a <= limits.flush_threshold),  # zeros included
+                count(a >= limits.overflow_threshold),  # infinities included
+            )
         )
+        extremes = torch.stack(
+            (
+                torch.nan_to_num(w, nan=inf, posinf=inf, neginf=inf).amin(),
+                torch.nan_to_num(w, nan=-inf, posinf=-inf, neginf=-inf).amax(),
+                torch.where(a > 0, a, inf).amin(),  # NaN compares false: never the smallest magnitude
+            )
+        )
+        return counts, extremes
+
+    # -- gradient histograms ------------------------------------------------------------------------------------
+    def add_histogram(self, tensor: torch.Tensor) -> int:
+        """Queue the binade histogram of ``tensor``'s nonzero finite values (layout: ``HIST_BINS``), read back with
+        everything else into ``histograms``; returns its index there."""
+        x = tensor.detach()
+        total: Optional[torch.Tensor] = None
+        for c in chunks(x, HIST_CHUNK):
+            w = c.float() if c.dtype != torch.float32 else c  # float64 magnitudes beyond float32 go to the ends
+            exponent = (w.view(torch.int32) >> 23) & 0xFF  # biased float32 exponent; 0: zero/subnormal, 255: inf/NaN
+            part = torch.bincount(exponent.reshape(-1), minlength=256)
+            total = part if total is None else total + part
+        assert total is not None
+        # Binade 2**k is biased exponent k + 127. Exponent 0 holds the zeros (dropped here) and float32 subnormals
+        # (and float64 values too small for float32), which belong to the bottom bin; 255 holds inf and NaN.
+        low, high = HIST_LOW + _FP32_BIAS, HIST_HIGH + _FP32_BIAS
+        zeros = x.numel() - torch.count_nonzero(x)
+        below = total[1:low].sum() + total[0] - zeros
+        hist = torch.cat((below.reshape(1), total[low:high], total[high:255].sum().reshape(1)))
+        values = self._hist_values.setdefault(x.device, [])
+        values.append(hist)
+        self._hists.append((x.device, len(values) - 1))
+        return len(self._hists) - 1
+
+    def add_many(self, tensors: list[torch.Tensor], histograms: bool) -> list[tuple[int, int]]:
+        """Survey-level slots (zeros counted) of many tensors that need no gradient, and their binade histograms
+        (-1 when not asked); the small ones computed together over their concatenation (``_batch``)."""
+        batchable = [t for t in tensors if t.dtype in _BATCHABLE and 0 < t.numel() <= BATCH_EACH]
+        if not histograms or len(batchable) < 2:
+            return [
+                (self._measure(t.detach(), 1), self.add_histogram(t) if histograms and _histogrammable(t) else -1)
+                for t in tensors
+            ]
+        batchable.sort(key=lambda t: t.numel())  # equal sizes side by side: one reduction per size
+        measured = self._batch(batchable)
+        values = self._hist_values.setdefault(batchable[0].device, [])
+        out = []
+        for t in tensors:
+            found = measured.get(id(t))
+            if found is None:
+                out.append((self._measure(t.detach(), 1), self.add_histogram(t) if _histogrammable(t) else -1))
+                continue
+            low, high, nonzero, hist = found
+            survey = self._survey.setdefault(t.device, ([], [], []))
+            survey[0].append(low)
+            survey[1].append(high)
+            survey[2].append(nonzero)
+            index, zindex = len(survey[0]) - 1, len(survey[2]) - 1
+            self._slots.append((dtype_name(t.dtype), tuple(t.shape), t.device, index, 1, zindex))
+            values.append(hist)
+            self._hists.append((t.device, len(values) - 1))
+            out.append((len(self._slots) - 1, len(self._hists) - 1))
+        return out
+
+    @staticmethod
+    def _batch(tensors: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, ...]]:
+        """By ``id``: (min, max, nonzero count, histogram) of small same-device tensors sorted by size, from their
+        concatenation (float32): per run of equal sizes one amin, amax and count_nonzero, and one bincount of
+        the float32 sign-and-exponent fields for all."""
+        with torch.no_grad():
+            flat = torch.cat([t.reshape(-1) for t in tensors])  # promotes to float32 when mixed
+            if flat.dtype != torch.float32:
+                flat = flat.float()
+            lengths = tuple(t.numel() for t in tensors)
+            # bits >> 23 is the sign-and-exponent field, sign-extended: -256..255; each tensor gets 512 bins.
+            offsets, sizes = _offsets(lengths, flat.device)
+            total = torch.bincount((flat.view(torch.int32) >> 23) + offsets, minlength=512 * len(tensors))
+            total = total.view(len(tensors), 2, 256).sum(1)  # both signs
+            low, high = HIST_LOW + _FP32_BIAS, HIST_HIGH + _FP32_BIAS
+            below = total[:, 1:low].sum(1, keepdim=True)  # exponent 0: zeros and float32 subnormals, see below
+            hists = torch.cat((below, total[:, low:high], total[:, high:255].sum(1, keepdim=True)), 1)
+            mins: list[torch.Tensor] = []
+            maxs: list[torch.Tensor] = []
+            nonzero: list[torch.Tensor] = []
+            start = 0
+            for size, run in itertools.groupby(lengths):
+                count = len(list(run))
+                block = flat[start : start + size * count].view(count, size)
+                mins += block.amin(dim=1).unbind(0)  # (aminmax along a dimension is far slower here)
+                maxs += block.amax(dim=1).unbind(0)
+                nonzero.append(torch.count_nonzero(block, dim=1))
+                start += size * count
+            counts = torch.cat(nonzero)
+            # Nonzero values with exponent 0 are float32 subnormals: below every binade kept.
+            hists[:, 0] += total[:, 0] - (sizes - counts)
+            rows = hists.unbind(0)
+            nonzero_each = counts.unbind(0)
+            return {id(t): (mins[i], maxs[i], nonzero_each[i], rows[i]) for i, t in enumerate(tensors)}
 
     def add_values(self, values: list[torch.Tensor]) -> int:
         """Queue a group of 0-d tensors (same device) for the same single readback; see ``values``."""
         device = values[0].device
-        per_device = self._values.setdefault(device, {})
-        for k, value in enumerate(values):
-            per_device.setdefault(f"x:{k}", []).append(value)
-        position = len(per_device["x:0"]) - 1
-        self._value_groups.append((device, position, len(values)))
+        queued = self._values.setdefault(device, [])
+        self._value_groups.append((device, len(queued), len(values)))
+        queued.extend(values)
         return len(self._value_groups) - 1
 
+    # -- the one readback ---------------------------------------------------------------------------------------
     def read(self) -> list[TensorStats]:
         """Copy every statistic to the host (one transfer per device) and build the records.
 
-        Groups queued with ``add_values`` are in ``self.values`` afterwards, in the order they were added.
+        Groups queued with ``add_values`` are in ``self.values`` afterwards, in the order they were added, and
+        histograms queued with ``add_histogram`` in ``self.histograms``.
         """
-        host: dict[tuple[torch.device, str], list[float]] = {}
-        for device, fields in self._values.items():
-            names = list(fields)
-            # Mixed dtypes promote in stack/cat: fp16/bf16/fp32 values are exact in float64.
+        devices = {*self._survey, *self._details, *self._values, *self._hist_values}
+        host: dict[torch.device, dict[str, list[Any]]] = {}
+        for device in devices:
+            # Mixed dtypes promote in cat: fp16/bf16/fp32 values and counts below 2**53 are exact in float64.
             wide = torch.float32 if device.type == "mps" else torch.float64
-            flat = torch.cat([torch.stack(fields[name]).to(wide) for name in names])
-            numbers = flat.tolist()
+            parts: list[tuple[str, torch.Tensor, int]] = []
+            survey = self._survey.get(device)
+            if survey:
+                parts += [(n, torch.stack(values).to(wide), 1) for n, values in zip(SURVEY_FIELDS, survey) if values]
+            detail = self._details.get(device)
+            if detail and detail[0]:
+                parts.append(("counts", torch.stack(detail[0]).to(wide).reshape(-1), len(_COUNTS)))
+                parts.append(("extremes", torch.stack(detail[1]).to(wide).reshape(-1), 3))
+            hists = self._hist_values.get(device)
+            if hists:
+                parts.append(("hists", torch.stack(hists).to(wide).reshape(-1), HIST_BINS))
+            queued = self._values.get(device)
+            if queued:
+                parts.append(("values", torch.stack([v.to(wide) for v in queued]), 1))
+            numbers = torch.cat([p for _, p, _ in parts]).tolist()
             self.readbacks += 1
             start = 0
-            for name in names:
-                count = len(fields[name])
-                host[(device, name)] = numbers[start : start + count]
+            out: dict[str, list[Any]] = {}
+            for name, part, width in parts:
+                count = part.numel()
+                flat = numbers[start : start + count]
+                out[name] = flat if width == 1 else [flat[i : i + width] for i in range(0, count, width)]
                 start += count
-        out = []
-        for slot in self._slots:
-            if slot.device is None:
-                out.append(TensorStats(dtype=slot.dtype, shape=slot.shape))
+            host[device] = out
+        records: list[TensorStats] = []
+        append = records.append
+        for name, shape, where, index, level, zindex in self._slots:
+            if where is None:
+                append(TensorStats(name, shape))
                 continue
-            prefix = "d:" if slot.detailed else "s:"
-            wanted: tuple[str, ...] = DETAIL_FIELDS if slot.detailed else SURVEY_FIELDS
-            values: dict[str, float | int | None] = {}
-            for name in wanted:
-                value = host[(slot.device, prefix + name)][slot.position]
-                values[name] = int(value) if name in _COUNT_FIELDS else float(value)
-            values["zero_count"] = math.prod(slot.shape) - int(values["zero_count"] or 0)  # stored as nonzero
-            if slot.detailed:
-                _drop_empty_extremes(values)
-            out.append(TensorStats(dtype=slot.dtype, shape=slot.shape, **values))  # type: ignore[arg-type]
-        self.values = [
-            [host[(device, f"x:{k}")][position] for k in range(count)] for device, position, count in self._value_groups
-        ]
-        return out
+            data = host[where]
+            if level == 2:
+                append(_detailed_record(name, shape, data["counts"][index], data["extremes"][index]))
+            elif level == 1:
+                nonzero = data["zero_count"][zindex]
+                append(TensorStats(name, shape, data["min"][index], data["max"][index],
+                                   math.prod(shape) - int(nonzero)))
+            else:  # the common case, kept lean: a record per tensor of every pass
+                append(TensorStats(name, shape, data["min"][index], data["max"][index]))
+        self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]
+        self.histograms = [host[device]["hists"][index] for device, index in self._hists]
+        return records
+
+    def nbytes(self, slot: int) -> int:
+        """Bytes of the tensor measured in ``slot`` (from its recorded shape and dtype)."""
+        name, shape = self._slots[slot][:2]
+        return math.prod(shape) * _ITEMSIZE.get(name, 4)
 
     def __len__(self) -> int:
         return len(self._slots)
 
 
-def _drop_empty_extremes(values: dict[str, float | int | None]) -> None:
-    """Reductions over an empty selection return ±inf: there is no finite (nonzero) value to report."""
-    for name in ("finite_min", "finite_max", "min_abs_nonzero"):
-        value = values[name]
-        if isinstance(value, float) and math.isinf(value):
-            values[name] = None
+_BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_OFFSETS: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _histogrammable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.numel() > 0 and not t.is_complex()
+
+
+def _offsets(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``512 * i + 256`` for every element of the ``i``-th of consecutive segments, and the segments' sizes, on
+    ``device`` (cached: a model's parameter layout comes back in every backward, with no host-to-device copy)."""
+    key = (lengths, device)
+    found = _OFFSETS.get(key)
+    if found is None:
+        if len(_OFFSETS) > 64:
+            _OFFSETS.clear()
+        sizes = torch.tensor(lengths, device=device)
+        starts = torch.arange(256, 512 * len(lengths), 512, dtype=torch.int32, device=device)
+        found = _OFFSETS[key] = (torch.repeat_interleave(starts, sizes), sizes)
+    return found
+
+
+def _detailed_record(name: str, shape: tuple[int, ...], counts: list[float], extremes: list[float]) -> TensorStats:
+    nonzero, nan, posinf, neginf, below_tiny, flush, overflow = (int(v) for v in counts)
+    finite_min, finite_max, smallest = extremes
+    numel = math.prod(shape)
+    zeros = numel - nonzero
+    has_finite = numel - nan - posinf - neginf > 0
+    if nan:
+        low = high = math.nan
+    else:
+        low = -math.inf if neginf else (finite_min if has_finite else math.inf)
+        high = math.inf if posinf else (finite_max if has_finite else -math.inf)
+    return TensorStats(
+        name,
+        shape,
+        low,
+        high,
+        zeros,
+        nan,
+        posinf,
+        neginf,
+        finite_min if has_finite else None,
+        finite_max if has_finite else None,
+        smallest if math.isfinite(smallest) else None,
+        below_tiny - zeros,
+        overflow - posinf - neginf,
+        flush - zeros,
+    )
 
 
 def tensor_stats(tensor: torch.Tensor, low_dtype: torch.dtype = torch.float16, detailed: bool = True) -> TensorStats:

@@ -1,0 +1,98 @@
+"""Statistics at a bounded cost (issue 13): detailed statistics chunk by chunk, gradient histograms (one at a time
+and batched), and fingerprints without temporaries, each checked against a float64 / numpy reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import ampdoctor.capture.stats as stats_module
+from ampdoctor.capture.state import fingerprints
+from ampdoctor.capture.stats import StatsCollector, chunks, tensor_stats
+from ampdoctor.thresholds import HIST_HIGH, HIST_LOW
+
+INF, NAN = math.inf, math.nan
+EDGES = [65504.0, 65520.0, -70000.0, 2.0**-25, 2.0**-26, -(2.0**-24), 2.0**-14, 0.0, -0.0, INF, -INF, NAN, 1.0]
+
+
+def _edgy(n: int, dtype: torch.dtype) -> torch.Tensor:
+    torch.manual_seed(0)
+    t = torch.randn(n, dtype=torch.float64) * 2.0 ** torch.randint(-30, 17, (n,)).double()
+    t[:: max(1, n // 40)] = 0.0
+    for i, value in enumerate(EDGES):  # spread across chunk boundaries
+        t[(i * 997) % n] = value
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+def test_detailed_statistics_in_chunks_equal_one_piece(
+    dtype: torch.dtype, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = _edgy(6000, dtype).reshape(60, 100)
+    t = {"contiguous": base, "transposed": base.t(), "strided": base[:, ::3]}[layout]
+    whole = tensor_stats(t, torch.float16)
+    monkeypatch.setattr(stats_module, "CHUNK", 257)  # many chunks, boundaries everywhere
+    pieces = list(chunks(t, 257))
+    assert len(pieces) > 5 and all(p.numel() <= 257 for p in pieces)
+    assert sum(p.numel() for p in pieces) == t.numel()
+    assert tensor_stats(t, torch.float16) == whole
+
+
+def _numpy_binades(t: torch.Tensor) -> list[float]:
+    """The histogram layout of ``add_histogram``, by numpy: nonzero finite |x| by binade, ends folded."""
+    a = np.abs(t.double().numpy().reshape(-1))
+    a = a[np.isfinite(a) & (a > 0)]
+    k = np.floor(np.log2(a)).astype(int)
+    hist = [0.0] * (HIST_HIGH - HIST_LOW + 2)
+    for value in k:
+        hist[0 if value < HIST_LOW else (len(hist) - 1 if value >= HIST_HIGH else 1 + value - HIST_LOW)] += 1
+    return hist
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_histogram_matches_numpy_binades(dtype: torch.dtype) -> None:
+    t = _edgy(5000, dtype)
+    t[7] = 1e-40 if dtype == torch.float32 else 0.0  # a float32 subnormal: bottom bin, not a zero
+    collector = StatsCollector(torch.float16, False)
+    index = collector.add_histogram(t)
+    collector.read()
+    assert collector.histograms[index] == _numpy_binades(t)
+
+
+def test_batched_gradient_statistics_match_one_at_a_time() -> None:
+    torch.manual_seed(1)
+    grads = [torch.randn(4, 4) * 2.0**-20, torch.randn(16), torch.zeros(3), torch.randn(4, 4).half(),
+             torch.tensor([1e-40, 0.0, -2.0**100]), torch.randn(16) * 2.0**30, torch.randn(2, 2, 2)]
+    grads[1][3] = 0.0
+    batched = StatsCollector(torch.float16, False, zeros=False)
+    out = batched.add_many(grads, histograms=True)
+    batched_stats = batched.read()
+    for g, (slot, hist) in zip(grads, out):
+        alone = tensor_stats(g, torch.float16, detailed=False)
+        assert batched_stats[slot] == alone  # min, max and the zero count, exactly
+        assert batched.histograms[hist] == _numpy_binades(g)
+
+
+def _fingerprinted(change: int = -1) -> list[torch.Tensor]:
+    """Tensors of several dtypes, sizes and storage offsets (views); ``change``: the one with its last element
+    changed (before any view is taken)."""
+    torch.manual_seed(2)
+    bases = [torch.randn(1001), torch.randn(7).half(), torch.randn(3, 5), torch.ones(5, dtype=torch.bool),
+             torch.randn(100).double()]
+    if change >= 0:
+        base = bases[change].view(-1)
+        base[-1] = False if base.dtype == torch.bool else base[-1] + 1
+    return [bases[0], bases[1], bases[2][:, 1:], bases[3], bases[4][1:]]
+
+
+def test_fingerprints_move_with_any_single_change_and_not_otherwise() -> None:
+    before = fingerprints(_fingerprinted())
+    assert fingerprints(_fingerprinted()) == before
+    for i in range(len(before)):
+        after = fingerprints(_fingerprinted(change=i))
+        assert after[i] != before[i]
+        assert after[:i] + after[i + 1 :] == before[:i] + before[i + 1 :]
