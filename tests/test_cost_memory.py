@@ -155,4 +155,4 @@ def test_progress_is_silent_in_captured_output_and_shown_when_asked(capsys: pyte
     assert capsys.readouterr().err == ""  # stderr is not a terminal here
     report = ampdoctor.diagnose(model, x, device_type="cpu", progress=True)
     err = capsys.readouterr().err
-    assert "ampdoctor: survey" in err and f"ampdoctor: {report.run.passes[-1].purpose}" in err
+    assert "pass 1: survey" in err and f"pass {len(report.run.passes)}: {report.run.passes[-1].purpose}" in err

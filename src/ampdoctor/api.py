@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -43,6 +42,7 @@ from .errors import InvalidInput, OutOfMemory
 from .fixes.recommend import recommend
 from .fixes.verify import VerifyContext, verify_recommendations
 from .policy import autocast_note
+from .progress import Progress, progress_on_stderr
 from .records import BATCH, LOSS, ModuleInfo, PassRecord, PassTrace, Recommendation, RunInfo
 from .report import Report
 from .thresholds import UNDERFLOW_VERDICT_SHARE
@@ -176,7 +176,7 @@ def diagnose(
     reference: Union[bool, int] = False,
     policy: Optional[str] = None,
     memory_limit: Optional[int] = None,
-    progress: Union[None, bool, ProgressFn] = None,
+    progress: Union[None, bool, ProgressFn, Progress] = None,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -209,8 +209,9 @@ def diagnose(
         memory_limit: bytes a pass may add to what is in use when ``diagnose`` starts; an optional pass whose
             peak, estimated from the survey, would exceed it is skipped (and listed). Default: the memory the
             device has available.
-        progress: show one progress line per pass on stderr (``True``), never (``False``), or call
-            ``progress(purpose, index, total)`` as each pass starts. Default: shown when stderr is a terminal.
+        progress: show one progress line on stderr naming each pass (``True``), never (``False``), use a
+            :class:`ampdoctor.progress.Progress`, or call ``progress(purpose, index, total)`` as each pass
+            starts. Default: shown when stderr is a terminal, silent otherwise.
 
     Nothing the user owns changes (see the README's promises): parameters, buffers, ``.grad`` fields,
     ``training`` flags, RNG states and the scaler are as before, a backward the user built before the call still
@@ -260,35 +261,29 @@ def diagnose(
 
 
 @contextlib.contextmanager
-def _progress(progress: Union[None, bool, ProgressFn]) -> Iterator[Optional[ProgressFn]]:
-    """The progress callback for ``diagnose(progress=...)``: the caller's, a tqdm line on stderr, or none."""
-    if callable(progress):
+def _progress(progress: Union[None, bool, ProgressFn, Progress]) -> Iterator[Optional[ProgressFn]]:
+    """The progress callback for ``diagnose(progress=...)``: the caller's function, the caller's ``Progress``
+    (the CLI's), or one line on stderr (when it is a terminal, or ``True``); none for ``False``."""
+    if isinstance(progress, Progress):
+        shown, own = progress, False
+    elif callable(progress):
         yield progress
         return
-    if progress is False or (progress is None and not _interactive()):
+    else:
+        shown, own = progress_on_stderr(quiet=progress is False, force=progress is True), True
+    if not shown.visible:
         yield None
         return
-    from tqdm.auto import tqdm
-
-    bar = tqdm(desc="ampdoctor", unit="pass", file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0)
+    shown.stage("diagnosing")
 
     def show(purpose: str, index: int, total: Optional[int]) -> None:
-        if total is not None:
-            bar.total = total
-        bar.n = index  # passes done so far; the line names the one starting
-        bar.set_description_str(f"ampdoctor: {purpose}")
+        shown.detail(f"pass {index + 1}{f' of {total}' if total else ''}: {purpose}")
 
     try:
         yield show
     finally:
-        bar.close()
-
-
-def _interactive() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False
+        if own:
+            shown.close()
 
 
 def _diagnose(

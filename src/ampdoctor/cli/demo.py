@@ -37,6 +37,7 @@ def run_demo(args: argparse.Namespace) -> int:
             loss_fn=lambda logits, _: demo_loss(logits, targets),
             dtype=getattr(torch, args.dtype),
             device_type="cpu",
+            progress=progress,
         )
     emit(render(with_notes(report, warned), args.format), args.output)
     return EXIT_OK

@@ -198,6 +198,7 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
                 device_type=args.device,
                 scale=scale,
                 loss_fn=loss_fn,
+                progress=progress,
             )
     except ModelRaised as exc:
         if exc.stage != "forward":
