@@ -459,3 +459,12 @@ def test_activation_checkpointing_recompute_is_not_recorded_as_calls() -> None:
     assert report.findings.not_captured == ()
     report = run(Net(1e6), torch.ones(4, 8), loss_fn=lambda out, _: out.float().mean())
     assert report.forward_origin is not None and report.forward_origin.label == "blocks.2.0"
+
+
+def test_a_model_compiled_in_place_is_diagnosed_eagerly() -> None:
+    model = nn.Sequential(constant_linear(16, 16, 5000.0))  # 16 * 5000 = 80000: inf in float16
+    model.compile(backend="eager")
+    model(torch.ones(2, 16))  # compiled once, as in training
+    report = run(model, torch.ones(2, 16))
+    assert report.verdict == "overflow" and report.forward_origin is not None and report.forward_origin.module == "0"
+    assert "_compiled_call_impl" in model.__dict__  # the compiled call is put back

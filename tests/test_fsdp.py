@@ -132,9 +132,12 @@ def diagnose_worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         model = shard(make_model(), mixed=False)
-        with full_model(model) as full:  # every rank: one all-gather per parameter, then local passes only
-            # the two ranks find different things and run different passes: nothing waits on the other
-            report = ampdoctor.diagnose(full, batch(rank, BAD_FROM_STEP), loss_fn=small_loss)
+        # diagnose gathers the full parameters itself (every rank: one all-gather per parameter, then local
+        # passes only); the two ranks find different things and run different passes: nothing waits on the other
+        report = ampdoctor.diagnose(model, batch(rank, BAD_FROM_STEP), loss_fn=small_loss)
+        with full_model(model) as full:  # the same, spelled out
+            again = ampdoctor.diagnose(full, batch(rank, BAD_FROM_STEP), loss_fn=small_loss)
+        assert again == report
         sharded_again = all(type(p).__name__ == "DTensor" for p in model.parameters())
         save(out_dir, rank, {
             "verdict": report.verdict, "origin": report.forward_origin.module if report.forward_origin else None,

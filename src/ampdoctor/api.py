@@ -34,7 +34,7 @@ from .capture.checks import (
 from .capture.dtypes import dtype_name, model_device_type
 from .capture.emulate import should_emulate_cuda
 from .capture.memory import available_bytes, describe, is_out_of_memory, pass_estimate
-from .capture.model import unwrap_model
+from .capture.model import eager_calls, unwrap_model
 from .capture.passes import LossFn, PassSpec, SharedForward, capture_params, run_pass
 from .capture.state import StateGuard
 from .capture.stats import format_limits
@@ -46,6 +46,7 @@ from .progress import Progress, progress_on_stderr
 from .records import BATCH, LOSS, ModuleInfo, PassRecord, PassTrace, Recommendation, RunInfo
 from .report import Report
 from .thresholds import UNDERFLOW_VERDICT_SHARE
+from .training.sharded import full_model
 
 T = TypeVar("T")
 # progress(purpose, index, total): called as each pass starts (index from 0; total None: not known in advance).
@@ -221,6 +222,33 @@ def diagnose(
         raise InvalidInput(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     check_batch(batch)
     root, notes = unwrap_model(model)
+    # An FSDP2 model is diagnosed on its gathered full parameters (collective: every rank calls diagnose), and a
+    # model.compile()d one eagerly: capture must see every call.
+    with full_model(root) as root, eager_calls(root):
+        return _diagnose_model(
+            root, notes, batch, loss_fn, dtype, device_type, scaler, backward, scale, fp32_reference, verify,
+            scale_window, reference, policy, memory_limit, progress,
+        )
+
+
+def _diagnose_model(
+    root: nn.Module,
+    notes: list[str],
+    batch: Any,
+    loss_fn: Optional[LossFn],
+    dtype: torch.dtype,
+    device_type: Optional[str],
+    scaler: Any,
+    backward: bool,
+    scale: Optional[float],
+    fp32_reference: bool,
+    verify: bool,
+    scale_window: bool,
+    reference: Union[bool, int],
+    policy: Optional[str],
+    memory_limit: Optional[int],
+    progress: Union[None, bool, ProgressFn, Progress],
+) -> Report:
     check_model(root)
     device_type = device_type or model_device_type(root, batch)
     if policy not in (None, "native", "cuda"):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from torch import nn
 
@@ -53,3 +54,17 @@ def find_module(root: nn.Module, name: str) -> nn.Module:
         close = difflib.get_close_matches(name, names, n=3)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise InvalidInput(f"no module named {name!r} in {type(root).__name__}{hint}") from None
+
+
+@contextlib.contextmanager
+def eager_calls(root: nn.Module) -> Iterator[None]:
+    """Every module of ``root`` runs eagerly inside (a capture's hooks must see every call): the compiled calls
+    of ``model.compile()`` are set aside and put back."""
+    saved = [(m, m.__dict__["_compiled_call_impl"]) for m in root.modules() if "_compiled_call_impl" in m.__dict__]
+    for m, _ in saved:
+        del m.__dict__["_compiled_call_impl"]
+    try:
+        yield
+    finally:
+        for m, call in saved:
+            m.__dict__["_compiled_call_impl"] = call

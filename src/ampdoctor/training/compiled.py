@@ -18,9 +18,7 @@ eagerly for good, and ``.item()`` in a hook breaks the graph. So, for a compiled
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -105,20 +103,6 @@ class RootTap:
         if self.wrapped is not None and self.root.__dict__.get("_compiled_call_impl") is self.wrapper:
             self.root._compiled_call_impl = self.wrapped
         self.wrapped = None
-
-
-@contextlib.contextmanager
-def eager_calls(root: nn.Module) -> Iterator[None]:
-    """Every module of ``root`` runs eagerly inside (a capture's hooks must see every call): the compiled calls
-    of ``model.compile()`` are set aside and put back."""
-    saved = [(m, m.__dict__["_compiled_call_impl"]) for m in root.modules() if "_compiled_call_impl" in m.__dict__]
-    for m, _ in saved:
-        del m.__dict__["_compiled_call_impl"]
-    try:
-        yield
-    finally:
-        for m, call in saved:
-            m.__dict__["_compiled_call_impl"] = call
 
 
 def _floating(output: Any) -> list[torch.Tensor]:
