@@ -421,3 +421,16 @@ def test_a_weight_beyond_the_float16_range_is_not_called_near_it() -> None:
     report = ampdoctor.diagnose(model, torch.zeros(2, 4), device_type="cpu")
     assert not any(n.tensor.startswith("param:") for n in report.findings.near_limit)
     assert any("0.weight (|x| up to 1e+06)" in w and "beyond the float16 range" in w for w in report.findings.warnings)
+
+
+@pytest.mark.parametrize("outer", [torch.float16, torch.bfloat16])
+def test_diagnose_inside_the_users_own_autocast_region_gives_the_same_report(outer: torch.dtype) -> None:
+    # "One added line, anywhere in the loop" puts diagnose inside `with torch.autocast(...)`.
+    model = nn.Sequential(constant_linear(16, 16, 5000.0), nn.Linear(16, 4))
+    x = torch.ones(2, 16)
+    outside = ampdoctor.diagnose(model, x, device_type="cpu")
+    with torch.autocast("cpu", dtype=outer):
+        model(x).float().sum()  # the user's forward fills the weight-cast cache
+        inside = ampdoctor.diagnose(model, x, device_type="cpu")
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == outer  # still the user's
+    assert inside == outside and not [p for p in inside.run.passes if p.status != "ran"]

@@ -31,7 +31,7 @@ from .capture.checks import (
     resolve_scale,
     usable_batch,
 )
-from .capture.dtypes import dtype_name, model_device_type
+from .capture.dtypes import autocast_dtype, dtype_name, model_device_type
 from .capture.emulate import should_emulate_cuda
 from .capture.memory import available_bytes, describe, is_out_of_memory, pass_estimate
 from .capture.model import eager_calls, unwrap_model
@@ -224,11 +224,23 @@ def diagnose(
     root, notes = unwrap_model(model)
     # An FSDP2 model is diagnosed on its gathered full parameters (collective: every rank calls diagnose), and a
     # model.compile()d one eagerly: capture must see every call.
-    with full_model(root) as root, eager_calls(root):
+    with full_model(root) as root, eager_calls(root), _outside_user_autocast():
         return _diagnose_model(
             root, notes, batch, loss_fn, dtype, device_type, scaler, backward, scale, fp32_reference, verify,
             scale_window, reference, policy, memory_limit, progress,
         )
+
+
+@contextlib.contextmanager
+def _outside_user_autocast() -> Iterator[None]:
+    """Called inside the user's ``torch.autocast`` region, the passes must not inherit it: the loss scaling and
+    the backward would run under the user's dtype (autocast applies to backward ops too). Each pass opens its
+    own region; the user's is back afterwards."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if autocast_dtype(device) is not None:
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def _diagnose_model(

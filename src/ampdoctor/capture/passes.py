@@ -218,6 +218,9 @@ class _Step:
         spec, recorder, collector = self.spec, self.recorder, self.collector
         if self.guard is not None:
             self.guard.rewind()  # the same RNG draws, parameters and buffers for every pass: re-runs are identical
+        # Called inside the user's own autocast region, torch keeps its weight-cast cache across our passes (it
+        # is cleared only when the outermost region exits): a pass would reuse another dtype's or pass's casts.
+        torch.clear_autocast_cache()
         batch_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(spec.batch, "batch")]
         # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
         # time (nothing here forms cycles that need it before the pass ends).
