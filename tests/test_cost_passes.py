@@ -191,3 +191,18 @@ def test_a_probe_on_the_shared_graph_equals_a_fresh_pass() -> None:
     guard.restore()
     assert shared == fresh  # the same dropout masks (rewound RNG), the same gradients
     assert shared_hist and shared_hist.keys() == {name for name, _ in model.named_parameters()}
+
+
+def test_the_loss_scale_verification_reuses_the_probe_at_that_scale() -> None:
+    # big's input gradient is 1280 * scale: finite up to 32. The loss-scale recommendation (32) is checked
+    # against the probe that already ran at 32: each (scale, dtype) plain pass runs once per diagnosis.
+    from helpers import constant_linear
+
+    model = nn.Sequential()
+    model.add_module("pre", constant_linear(64, 64, 1e-4))
+    model.add_module("big", constant_linear(64, 64, 20.0))
+    report = ampdoctor.diagnose(model, torch.full((4, 64), 1e-3), loss_fn=lambda out, _: out.float().sum(),
+                                device_type="cpu")
+    assert report.recommendations[0].action == "loss_scale" and report.recommendations[0].verified
+    plain = [(p.scale, p.dtype) for p in report.run.passes if p.purpose != "detail and op zoom"]
+    assert len(plain) == len(set(plain)), report.run.passes

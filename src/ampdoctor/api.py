@@ -415,7 +415,9 @@ def _diagnose(
     findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy)
     recommendations = recommend(findings, run_info, modules)
     if verify and recommendations:
-        recommendations = _verify(session, modules, survey, findings, recommendations, used_scale, scale_finding)
+        recommendations = _verify(
+            session, runner, modules, survey, findings, recommendations, used_scale, scale_finding
+        )
     run_info = dataclasses.replace(run_info, passes=tuple(session.log))
     return Report(run_info, tuple(modules), final, findings, tuple(recommendations))
 
@@ -467,6 +469,7 @@ def _survey(session: _Session, used_scale: float, reference: Union[bool, int]) -
 
 def _verify(
     session: _Session,
+    runner: Runner,
     modules: list[ModuleInfo],
     survey: PassTrace,
     findings: Any,
@@ -485,6 +488,10 @@ def _verify(
         with session.stage("verification"):
             return session.run(at_scale)
 
+    def run_unchanged(at_scale: float) -> PassTrace:  # each (scale, autocast) pass runs once per diagnosis
+        with session.stage("verification"):
+            return runner(at_scale)
+
     def run_bf16(at_scale: float) -> PassTrace:
         with session.stage("verification in bfloat16"):
             return session.run(at_scale, dtype=torch.bfloat16)
@@ -496,6 +503,7 @@ def _verify(
         low_dtype=dtype_name(session.spec.dtype),
         run=run,
         run_other_dtype=run_bf16 if bf16_ok else None,
+        run_unchanged=run_unchanged,
         device_type="cuda" if session.spec.policy == "cuda_emulated" else session.spec.device_type,
     )
     return verify_recommendations(context, findings, recommendations, check_scale)

@@ -38,6 +38,8 @@ class VerifyContext:
     run: RunFn  # a survey pass at a scale, same RNG and buffers as the diagnosis
     run_other_dtype: Optional[RunFn]  # the same in bfloat16 (None when not applicable)
     device_type: str = "cpu"  # the autocast device of the user's loop (for snippets)
+    # The unchanged step at a scale, served from the passes the diagnosis already ran when it has one.
+    run_unchanged: Optional[RunFn] = None
 
 
 def _origin_of(trace: PassTrace, modules: list[ModuleInfo]) -> Optional[Origin]:
@@ -226,7 +228,7 @@ def _verify_one(
         return dataclasses.replace(rec, verified=ok, evidence=f"re-ran the step in bfloat16 (unscaled): {outcome}")
     scale = _proposed_scale(findings)
     if rec.action == "loss_scale" and scale is not None:
-        ok = ctx.run(scale).healthy()
+        ok = (ctx.run_unchanged or ctx.run)(scale).healthy()
         evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
         window = findings.window
         probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None
