@@ -434,3 +434,32 @@ def test_diagnose_inside_the_users_own_autocast_region_gives_the_same_report(out
         inside = ampdoctor.diagnose(model, x, device_type="cpu")
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == outer  # still the user's
     assert inside == outside and not [p for p in inside.run.passes if p.status != "ran"]
+
+
+def test_a_forward_that_assigns_a_new_parameter_or_writes_through_aten_ops_is_undone() -> None:
+    class Reassigns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin.weight = nn.Parameter(self.lin.weight.detach() * 0.5)  # a new object, half the values
+            return self.lin(x)
+
+    class AtenWrite(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                torch.ops.aten.mul_.Tensor(self.lin.weight, torch.tensor(0.5))
+            return self.lin(x)
+
+    for model in (Reassigns(), AtenWrite()):
+        weight = model.lin.weight
+        before = snapshot(model)
+        report = ampdoctor.diagnose(model, torch.ones(2, 4), device_type="cpu")
+        assert model.lin.weight is weight  # the original object, with its values
+        assert_untouched(model, before)
+        assert not any("NOT restored" in n for n in report.run.notes)

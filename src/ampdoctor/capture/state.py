@@ -118,7 +118,7 @@ def written_tensor(func: Any, args: Any, kwargs: Any) -> Optional[torch.Tensor]:
         weight = args[weight_at] if len(args) > weight_at else kwargs.get("weight")
         max_norm = args[max_norm_at] if len(args) > max_norm_at else kwargs.get("max_norm")
         return weight if max_norm is not None and isinstance(weight, torch.Tensor) else None
-    name = getattr(func, "__name__", "")
+    name = getattr(func, "__name__", "").split(".")[0]  # torch.ops.aten.mul_.Tensor is named "mul_.Tensor"
     inplace = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
     if inplace and args and isinstance(args[0], torch.Tensor):
         return args[0]
@@ -144,10 +144,13 @@ def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
         if flat.numel() and not flat.is_complex() and flat.device.type != "meta":
             for chunk in chunks(flat, _FINGERPRINT_CHUNK):
                 total += _checksums(chunk)
-        sums.append(total.cpu())
-    if not sums:
-        return []
-    return [(int(a), int(b)) for a, b in torch.stack(sums).tolist()]
+        sums.append(total)
+    out: list[tuple[int, int]] = [(0, 0)] * len(sums)
+    for device in {s.device for s in sums}:  # one readback per device, not one per tensor
+        at = [i for i, s in enumerate(sums) if s.device == device]
+        for i, (a, b) in zip(at, torch.stack([sums[i] for i in at]).tolist()):
+            out[i] = (int(a), int(b))
+    return out
 
 
 def _checksums(chunk: torch.Tensor) -> torch.Tensor:
@@ -202,6 +205,8 @@ class StateGuard:
         # Which buffers each module had (None entries included), by object: a forward that fills a lazy cache
         # (register_buffer("cache", None), then set in forward) or adds a buffer is undone too.
         self.buffer_names = [(m, dict(m._buffers)) for m in self.modules]
+        # Parameter objects by name: a forward that assigns a new nn.Parameter (or adds one) is undone too.
+        self.param_slots = [(m, dict(m._parameters)) for m in self.modules]
         self.originals = {id(b): b for _, names in self.buffer_names for b in names.values() if b is not None}
         self.training = [(m, m.training) for m in self.modules]
         self.params = params
@@ -256,6 +261,7 @@ class StateGuard:
     def rewind(self) -> None:
         """Before each pass: the same RNG draws, the original parameters, fresh copies of the buffers."""
         self.rng.restore()
+        self._put_parameters()
         self._restore_params()
         copies = {key: b.detach().clone() for key, b in self.originals.items()}
         self._put_buffers(copies)
@@ -265,6 +271,7 @@ class StateGuard:
     def restore(self) -> None:
         """At the end: the user's own buffer tensors, parameters, flags and RNG, exactly as they were."""
         self.rng.restore()
+        self._put_parameters()
         self._restore_params()
         self._put_buffers(self.originals)
         for module, flag in self.training:
@@ -279,6 +286,22 @@ class StateGuard:
                 f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} changed during the diagnosis by "
                 "code ampdoctor could not intercept (no Python-level op wrote it): NOT restored"
             )
+
+    def _put_parameters(self) -> None:
+        for module, before in self.param_slots:
+            current = module._parameters
+            if len(current) == len(before) and all(current.get(k) is v for k, v in before.items()):
+                continue  # nothing assigned (compared by identity: == on tensors compares values)
+            replaced = [n for n in module._parameters if module._parameters[n] is not before.get(n)]
+            for name in [n for n in module._parameters if n not in before]:
+                del module._parameters[name]
+            module._parameters.update(before)
+            note = (
+                f"the forward assigns parameter objects ({', '.join(replaced[:3])}); each pass started from, and the "
+                "model keeps, the original ones"
+            )
+            if note not in self.notes:
+                self.notes.append(note)
 
     def _put_buffers(self, tensors: dict[int, torch.Tensor]) -> None:
         for module, before in self.buffer_names:
