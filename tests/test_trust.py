@@ -262,6 +262,12 @@ def _harmless_scale_overflow() -> Case:
     return model, torch.full((4, 64), 1e-3), lambda out, _: out.float().sum()
 
 
+def _forward_overflow() -> Case:
+    # 16 * 5000 = 80000: inf in float16; the fallback and bfloat16 recommendations are verified by re-runs.
+    model = nn.Sequential(constant_linear(16, 16, 5000.0), nn.Linear(16, 4))
+    return model, torch.ones(2, 16), lambda out, _: out.float().mean()
+
+
 def _healthy() -> Case:
     # The loss gradient reaching the output is 65536 / 8 = 8192 per value: finite in float16, and so is the rest.
     torch.manual_seed(0)
@@ -276,7 +282,7 @@ def _healthy() -> Case:
         ("detail and op zoom", _harmless_scale_overflow),
         ("underflow reference", _healthy),
         ("loss-scale window", _healthy),
-        ("verification", _harmless_scale_overflow),
+        ("verification", _forward_overflow),
     ],
 )
 def test_out_of_memory_in_an_optional_pass_is_recorded(
@@ -321,7 +327,10 @@ def test_out_of_memory_in_an_optional_pass_is_recorded(
     if purpose == "loss-scale window":
         assert report.findings.window is None
     if purpose == "verification":
-        assert all(not r.verified for r in report.recommendations if r.action == "loss_scale")
+        assert report.verdict == "overflow"
+        checked = [r for r in report.recommendations if r.action == "fp32_fallback"]
+        assert checked and not any(r.verified for r in checked)
+        assert "the verification re-run failed (OutOfMemoryError" in checked[0].evidence
     assert_untouched(model, before)
 
 
