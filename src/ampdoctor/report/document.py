@@ -342,7 +342,7 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
         sections.append(Section("Notes", tuple(Para(n) for n in notes)))
     failed = failed_passes(report)
     if failed:
-        title = f"{len(failed)} optional pass(es) failed; the findings stand on the others"
+        title = f"{len(failed)} optional pass(es) failed or skipped; the findings stand on the others"
         at = len(sections) - 1 if sections and sections[-1].title == "Notes" else len(sections)
         sections.insert(at, Section(title, tuple(Para(line) for line in failed)))
     return Document(f.verdict, head, facts, tuple(sections), alerts(report))
@@ -355,9 +355,9 @@ def alerts(report: Report) -> tuple[str, ...]:
 
 
 def failed_passes(report: Report) -> list[str]:
-    """One line per optional pass that failed: what it was for, and why."""
-    failed = [p for p in report.run.passes if p.status == "failed"]
-    return [f"{p.purpose} ({p.dtype}, scale {p.scale:g}): {p.reason}" for p in failed]
+    """One line per optional pass that failed or was skipped (would not fit in memory): what it was for, why."""
+    missed = [p for p in report.run.passes if p.status != "ran"]
+    return [f"{p.purpose} ({p.dtype}, scale {p.scale:g}): {p.status}: {p.reason}" for p in missed]
 
 
 def _steps(report: Report, max_rows: int) -> list[Block]:

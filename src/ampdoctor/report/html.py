@@ -218,7 +218,7 @@ def _findings_sections(report: Report) -> str:
         parts.append(_section("Warnings", "<ul>" + "".join(f"<li>{_e(w)}</li>" for w in f.warnings) + "</ul>"))
     failed = failed_passes(report)
     if failed:
-        title = f"{len(failed)} optional pass(es) failed; the findings stand on the others"
+        title = f"{len(failed)} optional pass(es) failed or skipped; the findings stand on the others"
         parts.append(_section(title, "<ul>" + "".join(f"<li>{_e(line)}</li>" for line in failed) + "</ul>"))
     return "".join(parts)
 
