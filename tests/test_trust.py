@@ -288,9 +288,9 @@ def _healthy() -> Case:
 def test_out_of_memory_in_an_optional_pass_is_recorded(
     purpose: str, make: Callable[[], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ampdoctor.api as api
+    import ampdoctor.session as api
 
-    real_run, real_stage = api.run_pass, api._Session.stage
+    real_run, real_stage = api.run_pass, api.Session.stage
     current = [""]
 
     def failing(spec: Any, scale: float, *args: Any, **kwargs: Any) -> Any:
@@ -308,7 +308,7 @@ def test_out_of_memory_in_an_optional_pass_is_recorded(
             current[0] = before
 
     monkeypatch.setattr(api, "run_pass", failing)
-    monkeypatch.setattr(api._Session, "stage", stage)
+    monkeypatch.setattr(api.Session, "stage", stage)
     model, x, loss_fn = make()
     before = snapshot(model)
     report = ampdoctor.diagnose(model, x, loss_fn=loss_fn, device_type="cpu")

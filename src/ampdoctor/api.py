@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -33,132 +32,21 @@ from .capture.checks import (
 )
 from .capture.dtypes import autocast_dtype, dtype_name, model_device_type
 from .capture.emulate import should_emulate_cuda
-from .capture.memory import available_bytes, describe, is_out_of_memory, pass_estimate
+from .capture.memory import available_bytes, describe, pass_estimate
 from .capture.model import eager_calls, unwrap_model
-from .capture.passes import LossFn, PassSpec, SharedForward, capture_params, run_pass
+from .capture.passes import LossFn, PassSpec, capture_params
 from .capture.state import StateGuard
 from .capture.stats import format_limits
-from .errors import InvalidInput, OutOfMemory
+from .errors import InvalidInput
 from .fixes.recommend import recommend
 from .fixes.verify import VerifyContext, verify_recommendations
 from .policy import autocast_note
-from .progress import Progress, progress_on_stderr
-from .records import BATCH, LOSS, ModuleInfo, PassRecord, PassTrace, Recommendation, RunInfo
+from .progress import Progress
+from .records import BATCH, LOSS, ModuleInfo, PassTrace, Recommendation, RunInfo
 from .report import Report
+from .session import ProgressFn, Session, progress_callback
 from .thresholds import UNDERFLOW_VERDICT_SHARE
 from .training.sharded import full_model
-
-T = TypeVar("T")
-# progress(purpose, index, total): called as each pass starts (index from 0; total None: not known in advance).
-ProgressFn = Callable[[str, int, Optional[int]], None]
-SURVEY = "survey"
-_PROBING = (SURVEY, "scale probe", "underflow reference", "loss-scale window")
-
-
-class PassSkipped(Exception):
-    """A pass not run: its estimated peak does not fit the memory limit (logged as "skipped")."""
-
-
-class _Session:
-    """The passes of one diagnosis: every pass starts from the same state and is logged with its purpose."""
-
-    def __init__(
-        self, spec: PassSpec, guard: StateGuard, memory_limit: Optional[int], progress: Optional[ProgressFn]
-    ) -> None:
-        self.spec = spec
-        self.guard = guard
-        self.log: list[PassRecord] = []
-        self.loss_sources: list[str] = []
-        self.purpose = SURVEY
-        self.share = SharedForward()  # the graph of the last survey-level pass, for probes at other scales
-        self.histograms: dict[str, list[float]] = {}
-        self.memory_limit = memory_limit
-        self.progress = progress
-        self.survey: Optional[PassTrace] = None  # the first pass, for memory estimates
-
-    def run(
-        self,
-        at_scale: float,
-        detailed: bool = False,
-        zoom: Optional[tuple[str, int]] = None,
-        autocast: bool = True,
-        backward_zoom: bool = False,
-        compare: Union[bool, int] = False,
-        dtype: Optional[torch.dtype] = None,
-        histograms: int = 0,
-    ) -> PassTrace:
-        spec = self.spec if dtype is None else dataclasses.replace(self.spec, dtype=dtype)
-        record = PassRecord(self.purpose, at_scale, dtype_name(spec.dtype) if autocast else "float32")
-        survey_level = dtype is None and autocast and not detailed and compare is False
-        # The graph is kept for the probes at other scales only; a verification re-run drops it at once.
-        keep = survey_level and self.purpose in _PROBING
-        self._check_memory(record, detailed, autocast, survey_level)
-        if self.progress is not None:
-            self.progress(self.purpose, len(self.log), None)
-        start = time.perf_counter()
-        try:
-            trace, source = run_pass(
-                spec, at_scale, detailed, zoom, autocast, backward_zoom, compare, self.guard,
-                share=self.share, keep=keep, histograms=histograms,
-            )
-        except Exception as exc:
-            self.share.release()
-            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-            self.log.append(dataclasses.replace(record, status="failed", reason=reason,
-                                                seconds=time.perf_counter() - start))
-            if self.survey is None and is_out_of_memory(exc):
-                raise _out_of_memory(reason) from exc
-            raise
-        self.histograms = self.share.histograms if histograms else {}
-        self.log.append(dataclasses.replace(record, seconds=time.perf_counter() - start))
-        self.loss_sources.append(source)
-        if self.survey is None:
-            self.survey = trace
-        return trace
-
-    def _check_memory(self, record: PassRecord, detailed: bool, autocast: bool, survey_level: bool) -> None:
-        """Skip a pass whose estimated peak (from the survey's records) exceeds the memory limit."""
-        if self.survey is None or self.memory_limit is None:
-            return
-        shared = survey_level and self.share.step is not None and self.share.step.repeatable
-        kind = "backward" if shared else ("detailed" if detailed else ("survey" if autocast else "float32"))
-        needed = pass_estimate(self.survey, kind)
-        if needed > self.memory_limit:
-            reason = f"estimated peak +{describe(needed)} exceeds the memory limit {describe(self.memory_limit)}"
-            self.log.append(dataclasses.replace(record, status="skipped", reason=reason))
-            raise PassSkipped(reason)
-
-    def close(self) -> None:
-        self.share.release()
-
-    @contextlib.contextmanager
-    def stage(self, purpose: str) -> Iterator[None]:
-        before, self.purpose = self.purpose, purpose
-        try:
-            yield
-        finally:
-            self.purpose = before
-
-    def optional(self, purpose: str, step: Callable[[], T], fallback: T) -> T:
-        """Run an optional stage; if any of its passes raises, the stage is dropped (its failure is in the log,
-        its traceback and tensors released here) and ``fallback`` stands in."""
-        logged_before = sum(r.status != "ran" for r in self.log)
-        with self.stage(purpose):
-            try:
-                return step()
-            except Exception as exc:  # a pass's failure is logged by run(); anything else is logged here
-                if sum(r.status != "ran" for r in self.log) == logged_before:
-                    reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-                    self.log.append(PassRecord(purpose, 0.0, "", "failed", reason))
-        return fallback
-
-
-def _out_of_memory(reason: str) -> OutOfMemory:
-    return OutOfMemory(
-        f"the first pass (one instrumented AMP step on this batch) ran out of memory ({reason}). Try a smaller "
-        "batch (a slice of it usually shows the same origin), backward=False (the forward only), or fewer "
-        "passes (scale_window=False, verify=False); on CUDA, free cached memory first (torch.cuda.empty_cache())"
-    )
 
 
 def diagnose(
@@ -270,7 +158,7 @@ def _diagnose_model(
         check_device(device_type)
     used_scale, scale_source, environment = resolve_scale(scaler, scale, dtype)
     limit = memory_limit if memory_limit is not None else available_bytes("cpu" if emulate else device_type)
-    shown = _progress(progress)
+    shown = progress_callback(progress)
     # Inside torch.inference_mode() autograd is off and tensors cannot be saved for backward: run with it off
     # (the context puts the user's mode back), on normal copies of inference tensors.
     with torch.inference_mode(False), shown as callback:
@@ -286,7 +174,7 @@ def _diagnose_model(
             policy="cuda_emulated" if emulate else "native",
         )
         guard = StateGuard(root, spec.params)
-        session = _Session(spec, guard, limit, callback)
+        session = Session(spec, guard, limit, callback)
         try:
             report = _diagnose(session, used_scale, scale_source, fp32_reference, scale_window, reference, verify)
         finally:
@@ -300,34 +188,8 @@ def _diagnose_model(
     return dataclasses.replace(report, run=run)
 
 
-@contextlib.contextmanager
-def _progress(progress: Union[None, bool, ProgressFn, Progress]) -> Iterator[Optional[ProgressFn]]:
-    """The progress callback for ``diagnose(progress=...)``: the caller's function, the caller's ``Progress``
-    (the CLI's), or one line on stderr (when it is a terminal, or ``True``); none for ``False``."""
-    if isinstance(progress, Progress):
-        shown, own = progress, False
-    elif callable(progress):
-        yield progress
-        return
-    else:
-        shown, own = progress_on_stderr(quiet=progress is False, force=progress is True), True
-    if not shown.visible:
-        yield None
-        return
-    shown.stage("diagnosing")
-
-    def show(purpose: str, index: int, total: Optional[int]) -> None:
-        shown.detail(f"pass {index + 1}{f' of {total}' if total else ''}: {purpose}")
-
-    try:
-        yield show
-    finally:
-        if own:
-            shown.close()
-
-
 def _diagnose(
-    session: _Session,
+    session: Session,
     used_scale: float,
     scale_source: str,
     fp32_reference: bool,
@@ -423,7 +285,7 @@ def _diagnose(
 
 
 def _cost_notes(
-    session: _Session,
+    session: Session,
     survey: PassTrace,
     underflow: Optional[UnderflowFinding],
     fp32_reference: bool,
@@ -454,7 +316,7 @@ def _cost_notes(
     return notes
 
 
-def _survey(session: _Session, used_scale: float, reference: Union[bool, int]) -> PassTrace:
+def _survey(session: Session, used_scale: float, reference: Union[bool, int]) -> PassTrace:
     """The first pass. With ``reference`` it also re-runs calls in float32; a module that cannot run in float32
     (a float16-only kernel) costs the comparisons, not the diagnosis."""
     if reference is False:
@@ -468,7 +330,7 @@ def _survey(session: _Session, used_scale: float, reference: Union[bool, int]) -
 
 
 def _verify(
-    session: _Session,
+    session: Session,
     runner: Runner,
     modules: list[ModuleInfo],
     survey: PassTrace,
