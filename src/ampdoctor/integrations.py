@@ -9,7 +9,7 @@ Lightning (``Trainer.fit``)::
     doctor_cb = lightning_callback()
     trainer = lightning.Trainer(precision="16-mixed", callbacks=[doctor_cb])   # "bf16-mixed" on CPU
     trainer.fit(model)
-    print(doctor_cb.report)
+    doctor_cb.report  # the Report, once training ended
 
 Hugging Face ``Trainer``::
 
@@ -17,7 +17,7 @@ Hugging Face ``Trainer``::
     trainer = transformers.Trainer(model=model, args=TrainingArguments(..., fp16=True), ...)   # bf16=True on CPU
     doctor_cb = hf_callback(trainer)             # adds itself to the trainer
     trainer.train()
-    print(doctor_cb.report)
+    doctor_cb.report  # the Report, once training ended
 
 Accelerate needs no adapter: ``ampdoctor.watch(model, accelerator.scaler)`` around the loop (see the README).
 
