@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor.checkpoint.scan_records import ScanReport
 from ampdoctor.cli.main import main
 from ampdoctor.demo import DEMO_ORIGIN, make_demo
 from ampdoctor.report import Report
+from ampdoctor.report.scan_report import ScanReport
 
 DEMO_FACTORY = "ampdoctor.demo:DemoTransformer"
 

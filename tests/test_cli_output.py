@@ -212,7 +212,7 @@ def test_ctrl_c_during_the_scan_writes_nothing(
 
 
 def test_write_output_refuses_the_same_path_without_the_cli(tmp_path: Path) -> None:
-    from ampdoctor import fileio
+    from ampdoctor.cli import fileio
     from ampdoctor.errors import InvalidInput
 
     ckpt = healthy(tmp_path / "ckpt.pt")

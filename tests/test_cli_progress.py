@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from ampdoctor.capture.progress import BarProgress, Progress, progress_on_stderr
 from ampdoctor.checkpoint import scan as scan_module
 from ampdoctor.checkpoint.scan import scan
 from ampdoctor.cli.main import main
-from ampdoctor.progress import BarProgress, Progress, progress_on_stderr
 
 
 class Terminal(io.StringIO):

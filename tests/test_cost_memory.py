@@ -85,7 +85,7 @@ def test_out_of_memory_in_the_first_pass_is_one_clear_error() -> None:
 
 
 def test_injected_cuda_style_out_of_memory_in_the_survey(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ampdoctor.session as api
+    import ampdoctor.capture.session as api
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

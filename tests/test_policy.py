@@ -18,14 +18,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from ampdoctor import policy
+from ampdoctor import autocast_ops as policy
 from ampdoctor.capture import emulate
 from ampdoctor.capture.emulate import cuda_autocast, installed_cuda_policy
 
 F16, F32 = torch.float16, torch.float32
 
 # Ops registered for AutocastCUDA in the installed torch that the policy table leaves out: none. Keep this an
-# explicit list: a torch upgrade that adds an op must add it to policy.py or name it here with the reason.
+# explicit list: a torch upgrade that adds an op must add it to autocast_ops.py or name it here with the reason.
 LEFT_OUT_OF_TABLE: frozenset[str] = frozenset()
 # In the table but not registered in a CPU build: cuDNN's RNN wrapper (aten/src/ATen/cudnn/AutocastRNN.cpp) is
 # compiled only into CUDA builds; the emulation follows it on lstm/gru/rnn_tanh/rnn_relu (emulate.RNN_OPS).

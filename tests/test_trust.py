@@ -288,7 +288,7 @@ def _healthy() -> Case:
 def test_out_of_memory_in_an_optional_pass_is_recorded(
     purpose: str, make: Callable[[], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ampdoctor.session as api
+    import ampdoctor.capture.session as api
 
     real_run, real_stage = api.run_pass, api.Session.stage
     current = [""]

@@ -26,8 +26,8 @@ from .report import Report
 if TYPE_CHECKING:
     from .api import diagnose
     from .checkpoint.scan import scan
-    from .checkpoint.scan_records import ScanReport
     from .fixes.fallback import Fp32Fallback, fp32_fallback
+    from .report.scan_report import ScanReport
     from .training.replay import replay_bundle
     from .training.runtime import Watch, watch
 
@@ -37,7 +37,7 @@ _LAZY = {
     "fp32_fallback": "fixes.fallback",
     "Fp32Fallback": "fixes.fallback",
     "scan": "checkpoint.scan",
-    "ScanReport": "checkpoint.scan_records",
+    "ScanReport": "report.scan_report",
     "watch": "training.runtime",
     "Watch": "training.runtime",
     "replay_bundle": "training.replay",

@@ -21,6 +21,7 @@ from torch import nn
 from ._version import __version__
 from .analysis import ScaleFinding, ScaleWindow, UnderflowFinding, analyze, forward_origin, near_limit
 from .analysis.scale import Runner, measure_window, probe_scales, underflow_reference
+from .autocast_ops import autocast_note
 from .capture.checks import (
     backward_note,
     check_autocast_effect,
@@ -35,18 +36,17 @@ from .capture.emulate import should_emulate_cuda
 from .capture.memory import available_bytes, describe, pass_estimate
 from .capture.model import eager_calls, unwrap_model
 from .capture.passes import LossFn, PassSpec, capture_params
+from .capture.progress import Progress
+from .capture.session import ProgressFn, Session, progress_callback
+from .capture.sharded import full_model
 from .capture.state import StateGuard
 from .capture.stats import format_limits
 from .errors import InvalidInput
 from .fixes.recommend import recommend
 from .fixes.verify import VerifyContext, verify_recommendations
-from .policy import autocast_note
-from .progress import Progress
 from .records import BATCH, LOSS, ModuleInfo, PassTrace, Recommendation, RunInfo
 from .report import Report
-from .session import ProgressFn, Session, progress_callback
 from .thresholds import UNDERFLOW_VERDICT_SHARE
-from .training.sharded import full_model
 
 
 def diagnose(
@@ -99,7 +99,7 @@ def diagnose(
             peak, estimated from the survey, would exceed it is skipped (and listed). Default: the memory the
             device has available.
         progress: show one progress line on stderr naming each pass (``True``), never (``False``), use a
-            :class:`ampdoctor.progress.Progress`, or call ``progress(purpose, index, total)`` as each pass
+            :class:`ampdoctor.capture.progress.Progress`, or call ``progress(purpose, index, total)`` as each pass
             starts. Default: shown when stderr is a terminal, silent otherwise.
 
     Nothing the user owns changes (see the README's promises): parameters, buffers, ``.grad`` fields,

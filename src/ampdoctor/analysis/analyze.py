@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Optional
 
-from ..policy import cpu_policy_finding_note
+from ..autocast_ops import cpu_policy_finding_note
 from ..records import (
     Comparison,
     FormatLimits,

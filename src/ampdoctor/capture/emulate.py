@@ -4,7 +4,7 @@ How: CUDA autocast is a set of kernels at the ``AutocastCUDA`` dispatch key that
 redispatch with the autocast key excluded. CPU tensors pass the ``AutocastCPU`` key at the same place in the
 dispatcher (above autograd, so autograd records the casts and the backward sees them; below Python, so inner ops
 of ``F.multi_head_attention_forward`` or ``cross_entropy``'s ``log_softmax`` are seen too). While installed, this
-module puts Python kernels at ``AutocastCPU`` that apply CUDA's table (``policy.py``, torch 2.13 lists) with
+module puts Python kernels at ``AutocastCPU`` that apply CUDA's table (``autocast_ops.py``, torch 2.13 lists) with
 CUDA's rules: only floating, non-float64 CPU tensors are cast; ``Tensor``, ``Tensor?`` and ``Tensor[]``
 arguments; ``fp32_if_dtype`` ops get ``dtype=float32`` only when the caller gave none; ``promote`` picks the widest
 of the ``Tensor``/``Tensor[]`` inputs; float16 casts of float32 leaf parameters are cached inside a region (so a
@@ -55,7 +55,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.library import fallthrough_kernel
 
-from ..policy import (
+from ..autocast_ops import (
     CPU_FP32_KEPT_IN_EMULATION,
     CUDA_BANNED,
     CUDA_FP32,

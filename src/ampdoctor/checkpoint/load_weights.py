@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..capture.model import strip_wrapper_prefixes
+from ..capture.progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
-from ..progress import NO_PROGRESS, Progress
 from ..records import FrozenMap
 from .safe_load import SafetensorsMapping, checkpoint_files, is_malicious, load_file, refusal
 from .scan import _MAX_DEPTH, is_optimizer_state, is_scaler_state, join_key, number

@@ -15,21 +15,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from .._version import __version__
+from ..analysis.scan import analyse_scan
+from ..capture.progress import LARGE_TENSOR_NUMEL, NO_PROGRESS, Progress
 from ..errors import AmpDoctorError, CheckpointError, CheckpointRefused, InvalidInput
-from ..progress import LARGE_TENSOR_NUMEL, NO_PROGRESS, Progress
 from ..records import FrozenMap, TensorStats
-from .safe_load import checkpoint_files, first_line, is_malicious, load_file, refusal
-from .scan_analysis import analyse_scan
-from .scan_records import (
+from ..records.scan import (
     MOMENT_KEYS,
     OptimizerInfo,
     Role,
     ScalerInfo,
     ScannedFile,
     ScannedTensor,
-    ScanReport,
     StorageFormat,
 )
+from ..report.scan_report import ScanReport
+from .safe_load import checkpoint_files, classify_global, first_line, is_malicious, load_file, refusal
 
 if TYPE_CHECKING:
     import torch
@@ -309,7 +309,7 @@ def scan(
             refusal (:class:`CheckpointRefused`) lists the ones a file needs.
         unsafe_load: last resort, ``weights_only=False``: runs any code the file holds (warns). A file whose
             pickle names a global that can run code (``os.system`` ...) is refused even so.
-        progress: an :class:`ampdoctor.progress.Progress` told about each file and each large tensor.
+        progress: an :class:`ampdoctor.capture.progress.Progress` told about each file and each large tensor.
 
     The checkpoint is only read: nothing is written next to it. Raises :class:`AmpDoctorError` with one line
     for a missing, empty, truncated, corrupt, refused or non-checkpoint input. A file in a directory that names
@@ -341,7 +341,10 @@ def scan(
                 raise
             refusals.append(refused)
             size, blocking = file.stat().st_size, tuple(refused.blocking)  # only torch files are ever refused
-            scanned.append(ScannedFile(file.name, "torch", size, skipped="refused", refused=blocking))
+            unknown = tuple(g for g in blocking if classify_global(g) != "harmless")
+            scanned.append(
+                ScannedFile(file.name, "torch", size, skipped="refused", refused=blocking, refused_unknown=unknown)
+            )
         shown.advance()
     shown.close()
     if all(f.skipped for f in scanned):

@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..capture.progress import Progress, progress_on_stderr
 from ..errors import InvalidInput, ModelRaised, Stage
-from ..fileio import PathLike, write_output
-from ..progress import Progress, progress_on_stderr
+from .fileio import PathLike, write_output
 
 if TYPE_CHECKING:
     from ..report import Report

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..fileio import check_output
 from .common import EXIT_OK, add_output_options, emit, progress_for, render, warnings_as_notes, with_notes
+from .fileio import check_output
 
 
 def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

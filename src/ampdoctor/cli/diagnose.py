@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import InvalidInput, ModelRaised
-from ..fileio import check_output
 from .common import (
     FORMATS,
     add_loading_options,
@@ -24,6 +23,7 @@ from .common import (
     warnings_as_notes,
     with_notes,
 )
+from .fileio import check_output
 from .inputs import (
     INPUT_DTYPES,
     DiagnoseInputs,
@@ -38,7 +38,7 @@ from .inputs import (
 if TYPE_CHECKING:
     import torch
 
-    from ..progress import Progress
+    from ..capture.progress import Progress
     from ..report import Report
 
 
@@ -131,7 +131,7 @@ def _checkpoint_scale(
 
 def _saved_from_cuda(saved_on: Mapping[str, int], device_type: str) -> list[str]:
     """The device-honesty note for a diagnosis off CUDA of a checkpoint saved from CUDA."""
-    from ..policy import saved_from_cuda_note
+    from ..autocast_ops import saved_from_cuda_note
 
     cuda = sorted(d for d in saved_on if d.startswith("cuda"))
     return [saved_from_cuda_note(cuda, device_type)] if cuda and device_type != "cuda" else []

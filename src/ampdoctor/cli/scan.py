@@ -8,7 +8,6 @@ import os
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInput
-from ..fileio import check_output
 from .common import (
     add_loading_options,
     add_output_options,
@@ -18,9 +17,10 @@ from .common import (
     warn_unsafe,
     warnings_as_notes,
 )
+from .fileio import check_output
 
 if TYPE_CHECKING:
-    from ..checkpoint.scan_records import ScanReport
+    from ..report.scan_report import ScanReport
 
 SCAN_FORMATS = ("text", "json", "markdown")
 

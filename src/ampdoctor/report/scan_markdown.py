@@ -6,8 +6,8 @@ Same words and tables as the text report (:mod:`.scan_text`), so the two cannot 
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
 
-from ..checkpoint.scan_records import ScanReport
 from .scan_text import (
     Table,
     file_table,
@@ -21,6 +21,9 @@ from .scan_text import (
     tensor_table,
     verdict_line,
 )
+
+if TYPE_CHECKING:
+    from .scan_report import ScanReport
 
 
 def code(text: str) -> str:

@@ -1,6 +1,6 @@
 """Words and tables of a checkpoint scan (pure: records in, strings out); the plain-text rendering.
 
-The analysis hands over data (:class:`~ampdoctor.checkpoint.scan_records.ScanFinding`); this module writes every
+The analysis hands over data (:class:`~ampdoctor.records.scan.ScanFinding`); this module writes every
 sentence about it (``finding_title`` / ``finding_message``, also used by the markdown renderer and the JSON) and
 builds the tables both renderers show (``module_table``, ``tensor_table``, ``file_table``).
 """
@@ -10,14 +10,17 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Sequence
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from tabulate import tabulate
 
-from ..checkpoint.scan_analysis import FLOAT8_SATURATED_SHARE, LOW_SCALER_SCALE
-from ..checkpoint.scan_records import SECOND_MOMENT_KEYS, ModuleSummary, ScanFinding, ScannedTensor, ScanReport
+from ..analysis.scan import FLOAT8_SATURATED_SHARE, LOW_SCALER_SCALE
+from ..records.scan import SECOND_MOMENT_KEYS, ModuleSummary, ScanFinding, ScannedTensor
 from ..thresholds import DEFAULT_FP16_SCALE, HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
 from .text import describe_bad, fmt_num
+
+if TYPE_CHECKING:
+    from .scan_report import ScanReport
 
 _TEXT_WIDTH = 116  # finding details are wrapped to this width in the text report
 _SHOWN = 3  # tensors named in a finding's sentence before "and N more"

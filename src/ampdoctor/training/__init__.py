@@ -6,7 +6,7 @@ step keeps, its one read-back into a ``StepRecord``) -> ``runs`` and ``divergenc
 diverged runs of bad steps; pure) -> ``failures`` (captures, the bundle and the log line per finished step) ->
 ``replay_step`` (a capture: ``diagnose`` of the failing forward under its RNG state) -> ``bundle`` (bundle files) /
 ``replay`` (``replay_bundle``) -> ``compose`` (typed per-rank payloads -> ``Report``). ``compiled``
-(torch.compile) and ``sharded`` (FSDP: :func:`full_model`, the gathered model a capture or a ``diagnose`` runs on).
+(torch.compile); FSDP's gathered model (:func:`full_model`) lives in ``ampdoctor.capture.sharded``.
 
 Importing this package imports no torch (the command line reads ``bundle_format`` before torch): ``full_model``
 is loaded on first use.
@@ -19,7 +19,7 @@ __all__ = ["full_model"]
 
 def __getattr__(name: str) -> Any:
     if name == "full_model":
-        from .sharded import full_model
+        from ..capture.sharded import full_model
 
         return full_model
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

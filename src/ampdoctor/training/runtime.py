@@ -39,13 +39,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..capture import sharded
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import eager_calls, unwrap_model
 from ..capture.stats import format_limits
 from ..errors import AmpDoctorError
 from ..records import FrozenMap, ModuleInfo, StepRecord
 from ..report import Report
-from . import sharded
 from .bundle import PathLike
 from .compiled import COMPILED_NOTE, NO_STATS_NOTE
 from .compose import RankPayload, compose_report, trends

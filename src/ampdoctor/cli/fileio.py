@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Optional, Union
 
-from .errors import InvalidInput
+from ..errors import InvalidInput
 
 PathLike = Union[str, "os.PathLike[str]"]
 STDOUT_NAMES = ("-", "/dev/stdout")

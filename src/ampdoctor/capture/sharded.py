@@ -177,7 +177,7 @@ def full_model(model: nn.Module) -> Iterator[nn.Module]:
     >>> with ampdoctor.training.full_model(model) as full:     # on every rank
     ...     report = ampdoctor.diagnose(full, batch)            # local: no collective inside
     """
-    from ..capture.model import unwrap_model
+    from .model import unwrap_model
 
     root, _ = unwrap_model(model)
     dtensor = _dtensor_type()

@@ -9,11 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
-from ..analysis.headroom import headroom_bits
 from ..records import FormatLimits
-from ..thresholds import HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
-from .safe_load import classify_global
-from .scan_records import (
+from ..records.scan import (
     MOMENT_KEYS,
     SEVERITIES,
     VERDICT_ORDER,
@@ -25,6 +22,8 @@ from .scan_records import (
     ScannedTensor,
     StorageFormat,
 )
+from ..thresholds import HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
+from .headroom import headroom_bits
 
 # A GradScaler scale at or above 1 but below this has backed off a long way from its 2**16 default: warning.
 LOW_SCALER_SCALE = 2.0**8
@@ -64,13 +63,13 @@ def _file_findings(files: Sequence[ScannedFile]) -> list[ScanFinding]:
     refuses the whole directory (see :func:`ampdoctor.checkpoint.scan.scan`)."""
     out = []
     refused = [f for f in files if f.refused]
-    unknown = [f for f in refused if any(classify_global(g) != "harmless" for g in f.refused)]
+    unknown = [f for f in refused if f.refused_unknown]
     harmless = [f for f in refused if f not in unknown]
     if harmless:
         needed = dict.fromkeys(g for f in harmless for g in f.refused)
         out.append(ScanFinding("warning", "refused_file", tuple(f.name for f in harmless), globals=tuple(needed)))
     if unknown:
-        needed = dict.fromkeys(g for f in unknown for g in f.refused if classify_global(g) != "harmless")
+        needed = dict.fromkeys(g for f in unknown for g in f.refused_unknown)
         out.append(ScanFinding("warning", "refused_unknown", tuple(f.name for f in unknown), globals=tuple(needed)))
     empty = tuple(f.name for f in files if f.skipped and not f.refused)
     if empty:

@@ -11,13 +11,13 @@ from typing import Callable, Optional, TypeVar, Union
 
 import torch
 
-from .capture.dtypes import dtype_name
-from .capture.memory import describe, is_out_of_memory, pass_estimate
-from .capture.passes import PassSpec, SharedForward, run_pass
-from .capture.state import StateGuard
-from .errors import OutOfMemory
+from ..errors import OutOfMemory
+from ..records import PassRecord, PassTrace
+from .dtypes import dtype_name
+from .memory import describe, is_out_of_memory, pass_estimate
+from .passes import PassSpec, SharedForward, run_pass
 from .progress import Progress, progress_on_stderr
-from .records import PassRecord, PassTrace
+from .state import StateGuard
 
 T = TypeVar("T")
 # progress(purpose, index, total): called as each pass starts (index from 0; total None: not known in advance).
