@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import torch
 
@@ -23,6 +25,14 @@ from ..capture.options import (
     refuse,
 )
 from .bundle import PathLike
+
+if sys.version_info >= (3, 10):
+    from typing import ParamSpec
+else:  # a dependency of torch
+    from typing_extensions import ParamSpec
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # Per-module statistics every this many steps by default (every skipped step is captured regardless).
 DEFAULT_STATS_EVERY = 50
@@ -75,3 +85,15 @@ def check_scaler(scaler: Any) -> None:
     if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "update")):
         raise refuse("scaler", scaler, "a GradScaler (with scale() and update()), or None")
 
+
+def parameters_of(make: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """Give the decorated function ``make``'s parameters (for type checkers, ``help()`` and ``inspect``), so that
+    they are defined once, on ``make``."""
+
+    def decorate(function: Callable[..., R]) -> Callable[P, R]:
+        signature = inspect.signature(make)
+        return_annotation = inspect.signature(function).return_annotation
+        function.__signature__ = signature.replace(return_annotation=return_annotation)  # type: ignore[attr-defined]
+        return cast("Callable[P, R]", function)
+
+    return decorate

@@ -31,12 +31,10 @@ read-back into a record), ``runs`` and ``divergence`` (harmless / persistent / d
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import sys
 from collections import deque
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Optional, TypeVar, Union, cast
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -59,6 +57,7 @@ from .options import (
     MAX_KEPT_OUTPUT_GRAD_BYTES,
     WatchOptions,
     check_scaler,
+    parameters_of,
 )
 from .quiet import own_capture
 from .readback import Decoded, Extra, StepState, detach_tree, found_inf_flags, loss_value, scale_value
@@ -66,13 +65,6 @@ from .replay_step import LossFn, StepReplayer
 from .runs import is_bad
 from .taps import Tap, join
 
-if sys.version_info >= (3, 10):
-    from typing import ParamSpec
-else:  # a dependency of torch
-    from typing_extensions import ParamSpec
-
-P = ParamSpec("P")
-R = TypeVar("R")
 # After a loss leaves its range, this many further steps are sampled (to see what grows during a divergence).
 DENSE_STEPS_AFTER_JUMP = 10
 # Weight norms (one read of every parameter) on sampled steps that are multiples of this, on the steps sampled
@@ -433,20 +425,7 @@ class Watch:
             self._errors.append(f"{type(exc).__name__}: {exc}")
 
 
-def _parameters_of(make: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[P, R]]:
-    """Give the decorated function ``make``'s parameters (for type checkers, ``help()`` and ``inspect``), so that
-    they are defined once, on ``make``."""
-
-    def decorate(function: Callable[..., R]) -> Callable[P, R]:
-        signature = inspect.signature(make)
-        return_annotation = inspect.signature(function).return_annotation
-        function.__signature__ = signature.replace(return_annotation=return_annotation)  # type: ignore[attr-defined]
-        return cast("Callable[P, R]", function)
-
-    return decorate
-
-
-@_parameters_of(Watch)
+@parameters_of(Watch)
 def watch(*args: Any, **kwargs: Any) -> Watch:
     """Watch an unchanged autocast + GradScaler training loop; returns a started :class:`Watch`.
 
