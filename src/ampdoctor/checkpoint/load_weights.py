@@ -106,6 +106,7 @@ def load_weights(
     *,
     allow_globals: Sequence[str] = (),
     unsafe_load: bool = False,
+    trust: Sequence[str] = (),
     progress: Optional[Progress] = None,
 ) -> LoadedWeights:
     """Load a checkpoint's weights into ``model`` (strictly: every key, every shape).
@@ -114,7 +115,8 @@ def load_weights(
     best); DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.`` prefixes are dropped. A directory of shards
     is loaded one file at a time, twice: the first round only checks keys and shapes, so a checkpoint that does
     not fit leaves the model untouched. Raises :class:`AmpDoctorError` naming missing and unexpected keys and
-    shape mismatches. A file of a directory that names a global able to run code refuses the whole directory;
+    shape mismatches. ``trust``: packages an ``unsafe_load`` admits (see :func:`ampdoctor.scan`). A file of a
+    directory that names a global able to run code refuses the whole directory;
     when weights are missing and other files were refused, the refusal is the error (the weights may be there).
     The checkpoint is only read.
     """
@@ -136,7 +138,7 @@ def load_weights(
     for file in files:  # first round: check every file, load nothing
         shown.detail(file.name)
         try:
-            loaded = load_file(file, allow_globals, unsafe_load)
+            loaded = load_file(file, allow_globals, unsafe_load, trust)
         except CheckpointRefused as refused:
             if not root.is_dir() or is_malicious(refused):
                 raise
@@ -183,7 +185,7 @@ def load_weights(
     shown.stage("loading the weights", total=len(used))
     for name in used:  # second round: everything fits; load one file at a time
         shown.detail(name)
-        loaded = load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load)
+        loaded = load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load, trust)
         part, _ = _best_state_dict(loaded.obj, wanted)
         del loaded
         with torch.no_grad():

@@ -263,9 +263,11 @@ class _Found:
     notes: list[str]
 
 
-def _scan_file(path: Path, label: str, allow_globals: Sequence[str], unsafe_load: bool, progress: Progress) -> _Found:
+def _scan_file(
+    path: Path, label: str, allow_globals: Sequence[str], unsafe_load: bool, trust: Sequence[str], progress: Progress
+) -> _Found:
     """Load, measure and let go of one file: its tensors are unreachable when this returns."""
-    loaded = load_file(path, allow_globals, unsafe_load)
+    loaded = load_file(path, allow_globals, unsafe_load, trust)
     scan = _FileScan(label, loaded.locations, progress)
     try:
         scan.visit(loaded.obj)
@@ -296,6 +298,7 @@ def scan(
     dtype: str = "float16",
     allow_globals: Sequence[str] = (),
     unsafe_load: bool = False,
+    trust: Sequence[str] = (),
     progress: Optional[Progress] = None,
 ) -> ScanReport:
     """Scan a saved checkpoint for values that break mixed precision; no model code is needed.
@@ -307,8 +310,11 @@ def scan(
             both are always reported. Tensors stored in float8 are judged against their own format.
         allow_globals: names such as ``"argparse.Namespace"`` to allow in ``torch.load(weights_only=True)``; a
             refusal (:class:`CheckpointRefused`) lists the ones a file needs.
-        unsafe_load: last resort, ``weights_only=False``: runs any code the file holds (warns). A file whose
-            pickle names a global that can run code (``os.system`` ...) is refused even so.
+        unsafe_load: last resort, ``weights_only=False`` through ampdoctor's allow-list (warns): admitted are what
+            ``weights_only`` admits, ``allow_globals``, the classes of torch's data modules, numpy's arrays, dtypes
+            and generators, Python containers, and the packages in ``trust``; any other global is refused while
+            loading (:mod:`ampdoctor.checkpoint.allow_list`). A global that can run code is refused even so.
+        trust: packages (``"mypkg"``) whose globals ``unsafe_load`` admits: the code that defines your model.
         progress: an :class:`ampdoctor.capture.progress.Progress` told about each file and each large tensor.
 
     The checkpoint is only read: nothing is written next to it. Raises :class:`AmpDoctorError` with one line
@@ -334,7 +340,7 @@ def scan(
     for file in files:
         shown.detail(file.name)
         try:
-            found.append(_scan_file(file, file.name, allow_globals, unsafe_load, shown))
+            found.append(_scan_file(file, file.name, allow_globals, unsafe_load, trust, shown))
             scanned.append(found[-1].info)
         except CheckpointRefused as refused:
             if not root.is_dir() or is_malicious(refused):

@@ -76,8 +76,17 @@ def add_loading_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--unsafe-load",
         action="store_true",
-        help="last resort: torch.load(weights_only=False), which runs any code the file holds (warns); files "
-        "that name os.system and the like are refused even so",
+        help="last resort: torch.load(weights_only=False) through ampdoctor's allow-list (warns): admits what "
+        "weights_only admits, --allow-global names, torch's data classes (modules, optimizers ...), numpy arrays, "
+        "Python containers, the --model module and --trust packages; refuses every other global while loading",
+    )
+    group.add_argument(
+        "--trust",
+        metavar="PACKAGE",
+        action="append",
+        default=[],
+        help="with --unsafe-load: admit every global of PACKAGE and its submodules (the code that defines your "
+        "model); repeatable. Packages that run code (os, subprocess ...), torch and numpy cannot be trusted whole",
     )
 
 
@@ -88,11 +97,27 @@ def allowed_globals(args: argparse.Namespace) -> list[str]:
     return [check_global_name(n.strip()) for item in args.allow_global for n in item.split(",") if n.strip()]
 
 
+def trusted_packages(args: argparse.Namespace, model_spec: Optional[str] = None) -> list[str]:
+    """The ``--trust`` packages, checked (no import), plus the module of ``--model`` when it can be trusted. Raises
+    InvalidInput for ``--trust`` without ``--unsafe-load``."""
+    from ..checkpoint.allow_list import check_trusted
+
+    trusted = [check_trusted(p) for item in args.trust for p in item.split(",") if p.strip()]
+    if trusted and not args.unsafe_load:
+        raise InvalidInput("--trust admits globals only when loading with --unsafe-load: add --unsafe-load")
+    if model_spec and ":" in model_spec:
+        try:
+            trusted.append(check_trusted(model_spec.partition(":")[0]))
+        except InvalidInput:
+            pass  # torch.nn:Sequential and the like: admitted by class already, or never
+    return list(dict.fromkeys(trusted))
+
+
 def warn_unsafe(args: argparse.Namespace) -> None:
     if args.unsafe_load:
         print(
-            "ampdoctor: warning: --unsafe-load: torch.load(weights_only=False) runs any code the checkpoint holds; "
-            "use it only on files you trust",
+            "ampdoctor: warning: --unsafe-load: torch.load(weights_only=False) through ampdoctor's allow-list; "
+            "the classes it admits run their own code when loaded: use it only on files you trust",
             file=sys.stderr,
         )
 
