@@ -12,6 +12,7 @@ from ..capture.model import strip_wrapper_prefixes
 from ..capture.progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
 from ..records import FrozenMap
+from ..report.inert import inert
 from .safe_load import SafetensorsMapping, checkpoint_files, is_malicious, load_file, refusal
 from .scan import _MAX_DEPTH, is_optimizer_state, is_scaler_state, join_key, number
 
@@ -97,7 +98,8 @@ def _best_state_dict(obj: Any, wanted: set[str]) -> tuple[dict[str, Any], int]:
 
 
 def _short_list(items: Sequence[str], n: int = 5) -> str:
-    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+    """The first ``n`` names (keys from the file: made inert), then how many there are."""
+    return ", ".join(inert(i) for i in items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
 def load_weights(
@@ -166,10 +168,10 @@ def load_weights(
         shown.advance()
     missing = sorted(k for k in wanted - seen - set(mismatched) if not _tied_to(k, own, seen))
     if refusals and (missing or not used):
-        where = f"{root} ({', '.join(Path(r.path).name for r in refusals)})"
+        where = f"{inert(str(root))} ({', '.join(inert(Path(r.path).name) for r in refusals)})"
         raise refusal(where, [n for r in refusals for n in r.blocking])
     if not used:
-        raise CheckpointError(f"{root}: no file in it holds weights for this model")
+        raise CheckpointError(f"{inert(str(root))}: no file in it holds weights for this model")
     if missing or unexpected or mismatched:
         parts = []
         if missing:
@@ -179,7 +181,7 @@ def load_weights(
         if mismatched:
             parts.append(f"{len(mismatched)} shape mismatch(es): {_short_list(list(mismatched.values()))}")
         raise InvalidInput(
-            f"the weights in {root} do not fit the model ({type(model).__name__}): {'; '.join(parts)}; "
+            f"the weights in {inert(str(root))} do not fit the model ({type(model).__name__}): {'; '.join(parts)}; "
             "check that --model and --model-kwargs build the model that was trained"
         )
     shown.stage("loading the weights", total=len(used))

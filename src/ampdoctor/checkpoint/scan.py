@@ -28,6 +28,7 @@ from ..records.scan import (
     ScannedTensor,
     StorageFormat,
 )
+from ..report.inert import inert
 from ..report.scan_report import ScanReport
 from .safe_load import checkpoint_files, classify_global, first_line, is_malicious, load_file, refusal
 
@@ -276,7 +277,8 @@ def _scan_file(
         raise
     except Exception as exc:  # a damaged tensor in a file that loaded (mmap, safetensors): one line naming it
         detail = f"{type(exc).__name__}: {first_line(str(exc))}"
-        raise CheckpointError(f"{path}: could not read its tensors (truncated or corrupt): {detail}") from exc
+        where = inert(str(path))
+        raise CheckpointError(f"{where}: could not read its tensors (truncated or corrupt): {detail}") from exc
     fmt, mapped = loaded.format, loaded.memory_mapped
     del loaded
     empty = not tensors and not scan.scalers and not scan.optimizers
@@ -355,10 +357,10 @@ def scan(
     shown.close()
     if all(f.skipped for f in scanned):
         if refusals:
-            where = f"{root} ({', '.join(Path(r.path).name for r in refusals)})"
+            where = f"{inert(str(root))} ({', '.join(inert(Path(r.path).name) for r in refusals)})"
             raise refusal(where, [n for r in refusals for n in r.blocking])
         where = "no file in it holds" if root.is_dir() else "loaded, but holds no"
-        raise CheckpointError(f"{path}: {where} tensors: not a checkpoint")
+        raise CheckpointError(f"{inert(str(path))}: {where} tensors: not a checkpoint")
     tensors = [t for f in found for t in f.tensors]
     optimizers = [o for f in found for o in f.optimizers]
     scalers = [s for f in found for s in f.scalers]

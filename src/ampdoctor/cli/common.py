@@ -213,5 +213,7 @@ def user_code(what: str, stage: Optional[Stage] = None) -> Iterator[None]:
 def one_line(exc: BaseException) -> str:
     """An error message on one printable line (messages from the user's model or a damaged file may span several
     lines or hold control characters)."""
+    from ..report.inert import inert
+
     text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text) or type(exc).__name__
+    return inert(text) or type(exc).__name__

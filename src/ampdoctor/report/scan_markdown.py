@@ -13,6 +13,7 @@ from .scan_text import (
     file_table,
     finding_message,
     finding_title,
+    inert_names,
     module_table,
     notes,
     optimizer_rows,
@@ -55,7 +56,9 @@ def _escape(text: str) -> str:
 
 
 def render_scan_markdown(report: ScanReport, max_rows: int = 20) -> str:
-    """The verdict as a heading, then findings, state and tables, each under its own heading."""
+    """The verdict as a heading, then findings, state and tables, each under its own heading. Names from the files
+    are shown inert (:func:`~.scan_text.inert_names`)."""
+    report = inert_names(report)
     head = verdict_line(report).split(" - ", 1)
     lines = [f"## ampdoctor scan: {report.verdict}", ""]
     if len(head) == 2:
