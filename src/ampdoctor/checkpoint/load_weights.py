@@ -13,7 +13,8 @@ from ..capture.progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
 from ..records import FrozenMap
 from ..report.inert import inert
-from .safe_load import SafetensorsMapping, checkpoint_files, is_malicious, load_file, refusal
+from .listing import list_checkpoint
+from .safe_load import SafetensorsMapping, is_malicious, load_file, refusal
 from .scan import _MAX_DEPTH, is_optimizer_state, is_scaler_state, join_key, number
 
 if TYPE_CHECKING:
@@ -125,7 +126,8 @@ def load_weights(
     import torch
 
     root = Path(path)
-    files = checkpoint_files(root)
+    listing = list_checkpoint(root)
+    files = listing.files
     own = model.state_dict()
     wanted = set(own)
     seen: set[str] = set()
@@ -170,6 +172,13 @@ def load_weights(
     if refusals and (missing or not used):
         where = f"{inert(str(root))} ({', '.join(inert(Path(r.path).name) for r in refusals)})"
         raise refusal(where, [n for r in refusals for n in r.blocking])
+    unread = [u for u in listing.unread if u.missed]
+    if unread and (missing or not used):
+        reasons = "; ".join(f"{inert(u.name)}: {u.reason}" for u in unread)
+        raise CheckpointError(
+            f"{inert(str(root))}: {len(unread)} checkpoint file(s) could not be read ({reasons}); the weights they "
+            "hold are missing: finish the download or copy and try again"
+        )
     if not used:
         raise CheckpointError(f"{inert(str(root))}: no file in it holds weights for this model")
     if missing or unexpected or mismatched:

@@ -29,12 +29,18 @@ from ..errors import CheckpointError, CheckpointRefused, InvalidInput
 from ..report.inert import inert
 from .allow_list import LoadPolicy, refused_global, restricted_pickle, trusted_roots
 from .global_names import _NAME, _SCRIPT_MODULES, HARMLESS_GLOBALS, classify_global, is_harmless_name
-from .sniff import Sniffed, opened_for_torch, pickle_globals, pickle_protocol, sniff
+from .listing import CHECKPOINT_SUFFIXES, list_checkpoint
+from .sniff import Sniffed, name_is_utf8, opened_for_torch, pickle_globals, pickle_protocol, sniff
 
-__all__ = ["HARMLESS_GLOBALS", "classify_global", "is_harmless_name", "load_file", "refusal", "UnsafeLoadWarning"]
-
-# Files a directory scan opens (others, such as trainer_state.json, are left alone).
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+__all__ = [
+    "CHECKPOINT_SUFFIXES",
+    "HARMLESS_GLOBALS",
+    "UnsafeLoadWarning",
+    "classify_global",
+    "is_harmless_name",
+    "load_file",
+    "refusal",
+]
 
 def _listing(names: Sequence[str]) -> str:
     return ", ".join(inert(n) for n in names) if names else "(unknown)"
@@ -110,6 +116,11 @@ def policy_refusal(path: str, name: str) -> CheckpointRefused:
             f"trust=[{root!r}]), or this name alone with --allow-global {inert(name)}"
         )
     return CheckpointRefused(f"{head}; {advice}", path, [name])
+
+
+class NotACheckpoint(CheckpointError):
+    """The file is something else (a text file, an image, a pickle torch.save did not write): nothing of it was
+    loaded, and it holds no weights a scan could miss."""
 
 
 class UnsafeLoadWarning(UserWarning):
@@ -273,6 +284,8 @@ def _load_torch(path: Path, sniffed: Sniffed, allow_globals: Sequence[str], unsa
             "field, or a checkpoint larger than this machine's memory"
         ) from exc
     except Exception as exc:  # torch.load raises many types for a damaged file: all become one line naming it
+        if isinstance(exc, UnicodeError) and not name_is_utf8(path):
+            raise name_problem(path, exc) from exc
         refused = refused_global(exc)
         if refused is not None:
             raise policy_refusal(str(path), refused) from None
@@ -307,9 +320,19 @@ def _load_safetensors(path: Path) -> LoadedFile:
     try:
         return LoadedFile(SafetensorsMapping(path), "safetensors", True, {})
     except Exception as exc:  # SafetensorError and friends: one clear line naming the file
+        if isinstance(exc, UnicodeError) and not name_is_utf8(path):
+            raise name_problem(path, exc) from exc
         raise CheckpointError(
             f"{inert(str(path))}: not a readable safetensors file (truncated or corrupt): {inert(first_line(str(exc)))}"
         ) from exc
+
+
+def name_problem(path: Path, exc: BaseException) -> CheckpointError:
+    """A file whose name (not its contents) could not be handed to the reader."""
+    return CheckpointError(
+        f"{inert(str(path))}: its file name is not valid UTF-8, and the reader could not open it by another name "
+        f"({type(exc).__name__}); the file itself was not read: rename it (e.g. with only ASCII characters)"
+    )
 
 
 def _plain_pickle(path: Path, sniffed: Sniffed) -> CheckpointError:
@@ -318,7 +341,7 @@ def _plain_pickle(path: Path, sniffed: Sniffed) -> CheckpointError:
     if any(classify_global(n) == "code" for n in names):
         return refusal(str(path), names)
     named = f" (it names {inert(_listing(names))})" if names else ""
-    return CheckpointError(f"{inert(str(path))}: not a checkpoint: {sniffed.description}{named}")
+    return NotACheckpoint(f"{inert(str(path))}: not a checkpoint: {sniffed.description}{named}")
 
 
 def load_file(
@@ -342,21 +365,11 @@ def load_file(
     if sniffed.kind == "other" and sniffed.description.startswith("a Python pickle"):
         raise _plain_pickle(path, sniffed)
     if sniffed.kind == "other":
-        raise CheckpointError(f"{inert(str(path))}: not a checkpoint: {sniffed.description}")
+        raise NotACheckpoint(f"{inert(str(path))}: not a checkpoint: {sniffed.description}")
     return _load_torch(path, sniffed, allow_globals, unsafe_load, trust)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The files a scan reads: the file itself, or the checkpoint files directly inside a directory."""
-    if not path.exists():
-        raise InvalidInput(f"{path}: no such file or directory")
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES)
-        if not files:
-            raise CheckpointError(
-                f"{path}: no checkpoint files in this directory (looked for {', '.join(CHECKPOINT_SUFFIXES)})"
-            )
-        return files
-    if not path.is_file():
-        raise InvalidInput(f"{path}: not a regular file or directory")
-    return [path]
+    """The files a scan reads: the file itself, or the readable checkpoint files directly inside a directory
+    (:func:`~.listing.list_checkpoint` also says which entries could not be read)."""
+    return list(list_checkpoint(path).files)

@@ -30,7 +30,8 @@ from ..records.scan import (
 )
 from ..report.inert import inert
 from ..report.scan_report import ScanReport
-from .safe_load import checkpoint_files, classify_global, first_line, is_malicious, load_file, refusal
+from .listing import Listing, list_checkpoint
+from .safe_load import NotACheckpoint, classify_global, first_line, is_malicious, load_file, refusal
 
 if TYPE_CHECKING:
     import torch
@@ -294,6 +295,18 @@ def _scan_file(
     return _Found(info, tensors, scan.optimizers, scan.scalers, scan.formats, scan.notes)
 
 
+def _unloadable(file: Path, exc: CheckpointError, listing: Listing) -> ScannedFile:
+    """A file of a directory that did not load: why (its error, without the path), and whether it may hold weights
+    (an index names it; or no index, and it looked like a checkpoint)."""
+    reason = str(exc).removeprefix(f"{inert(str(file))}: ")
+    weights = file.name in listing.indexed or (not listing.has_index and not isinstance(exc, NotACheckpoint))
+    try:
+        size = file.stat().st_size
+    except OSError:
+        size = 0
+    return ScannedFile(file.name, "unknown", size, skipped=reason, unread=True, missed=weights)
+
+
 def scan(
     path: str | Path,
     *,
@@ -320,15 +333,20 @@ def scan(
         progress: an :class:`ampdoctor.capture.progress.Progress` told about each file and each large tensor.
 
     The checkpoint is only read: nothing is written next to it. Raises :class:`AmpDoctorError` with one line
-    for a missing, empty, truncated, corrupt, refused or non-checkpoint input. A file in a directory that names
-    a global able to run code refuses the whole directory, naming that file. Other files of a directory that
-    are refused are skipped with a warning finding (naming their globals), and files without tensors with a
-    note, as long as another file holds tensors.
+    for a missing, empty, truncated, corrupt, refused or non-checkpoint input. In a directory, every entry with a
+    checkpoint suffix that cannot be read (a dangling link, a FIFO, a damaged file) and every shard an index
+    (``*.index.json``) names but the directory lacks is named in the report; when it may hold weights the scan
+    is incomplete (``verdict`` ``"incomplete"`` unless worse was found, ``exit_code`` 2). Files that are not
+    checkpoints, and unreadable files no index names in a directory that has one, are listed as skipped. A file
+    in a directory that names a global able to run code refuses the whole directory, naming that file. Other
+    files of a directory that are refused are skipped with a warning finding (naming their globals), and files
+    without tensors with a note, as long as another file holds tensors.
     """
     if dtype not in ("float16", "bfloat16"):
         raise InvalidInput(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     root = Path(path)
-    files = checkpoint_files(root)
+    listing = list_checkpoint(root)
+    files = listing.files
     shown = progress or NO_PROGRESS
     import torch
 
@@ -353,9 +371,20 @@ def scan(
             scanned.append(
                 ScannedFile(file.name, "torch", size, skipped="refused", refused=blocking, refused_unknown=unknown)
             )
+        except CheckpointError as exc:  # a file of a directory that does not load: named, the rest still scanned
+            if not root.is_dir():
+                raise
+            scanned.append(_unloadable(file, exc, listing))
         shown.advance()
     shown.close()
+    scanned += [
+        ScannedFile(u.name, "unknown", 0, skipped=u.reason, unread=True, missed=u.missed) for u in listing.unread
+    ]
     if all(f.skipped for f in scanned):
+        unread = [f for f in scanned if f.unread]
+        if unread and not refusals:
+            reasons = "; ".join(f"{inert(f.name)}: {f.skipped}" for f in unread)
+            raise CheckpointError(f"{inert(str(path))}: no checkpoint file in it could be read ({reasons})")
         if refusals:
             where = f"{inert(str(root))} ({', '.join(inert(Path(r.path).name) for r in refusals)})"
             raise refusal(where, [n for r in refusals for n in r.blocking])

@@ -91,7 +91,7 @@ def render_scan_markdown(report: ScanReport, max_rows: int = 20) -> str:
     files = file_table(report, max_rows, code)
     if files is not None:
         lines += ["", "### Files", "", *pipe_table(files)]
-    if report.verdict != "healthy":
+    if report.verdict not in ("healthy", "incomplete"):
         lines += [
             "",
             "### Next step",

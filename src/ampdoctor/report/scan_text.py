@@ -198,6 +198,22 @@ def _refused(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
+def _unread_reasons(f: ScanFinding, r: ScanReport) -> str:
+    why = {file.name: file.skipped for file in r.files}
+    return "; ".join(f"{name}: {why.get(name) or 'not read'}" for name in f.tensors)
+
+
+def _unread(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+    return f"{len(f.tensors)} checkpoint file(s) could not be read: this scan is incomplete", (
+        f"{_unread_reasons(f, r)}; the findings cover only the files that were read: finish the download or copy "
+        "(or restore the missing files) and scan again"
+    )
+
+
+def _skipped_unread(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+    return f"{len(f.tensors)} file(s) skipped", f"{_unread_reasons(f, r)}: left out of this scan"
+
+
 def _no_tensors(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     return f"{len(f.tensors)} file(s) hold no tensors", f"{_first(f.tensors)}: left out of this scan"
 
@@ -216,6 +232,8 @@ _WORDS: dict[str, Callable[[ScanFinding, ScanReport], tuple[str, str]]] = {
     "refused_file": _refused,
     "refused_unknown": _refused,
     "no_tensors": _no_tensors,
+    "unread": _unread,
+    "skipped_unread": _skipped_unread,
 }
 
 
