@@ -423,3 +423,21 @@ def test_torch_and_numpy_names_outside_their_data_classes_are_refused(tmp_path: 
     with pytest.raises(CheckpointRefused) as info:
         scan(path, unsafe_load=True)
     assert info.value.blocking == [f"{module}.{name}"]
+
+
+def test_a_zip_with_constants_pkl_never_reaches_torch_jit_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.load(weights_only=False) dispatches any zip holding a constants.pkl record to torch.jit.load.
+    calls = []
+    monkeypatch.setattr(torch.jit, "load", lambda *a, **k: calls.append(a))
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    path = tmp_path / "script.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        for name in source.namelist():
+            z.writestr(name, source.read(name))
+        z.writestr("archive/constants.pkl", b"\x80\x02]q\x00.")
+    for unsafe in (False, True):
+        with pytest.raises(AmpDoctorError, match="TorchScript"):
+            scan(path, unsafe_load=unsafe)
+    assert calls == []

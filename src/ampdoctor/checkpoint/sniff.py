@@ -145,7 +145,9 @@ def _zip_kind(path: Path) -> Sniffed:
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, NotImplementedError):
         return Sniffed("broken-zip", "a damaged zip archive")
     pickles = [n for n in names if n == "data.pkl" or n.endswith("/data.pkl")]
-    if any(n.endswith("constants.pkl") for n in names) and any("/code/" in n for n in names):
+    # torch.load(weights_only=False) hands any zip with a constants.pkl record to torch.jit.load (TorchScript
+    # runs): such a file is never a checkpoint here, code/ folder or not.
+    if any(n == "constants.pkl" or n.endswith("/constants.pkl") for n in names):
         return Sniffed("other", "a TorchScript archive (torch.jit.save); scan a state_dict saved with torch.save")
     if pickles:
         return Sniffed("torch-zip", pickle_name=pickles[0])
