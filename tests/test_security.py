@@ -280,8 +280,10 @@ def test_os_system_in_a_hidden_legacy_pickle_is_refused_before_loading(
     sentinel = tmp_path / "sentinel"
     path = tmp_path / "legacy.pt"
     path.write_bytes(legacy_file(index, call("os", "system", text(f"touch {sentinel}"), "GLOBAL")))
-    for extra in ([], ["--unsafe-load"]):
-        assert main(["scan", str(path), *extra]) == 2
+    diagnose = ["diagnose", str(path), "--model", "torch.nn:Linear", "--model-kwargs", '{"in_features": 2, '
+                '"out_features": 1}', "--input-shape", "2x2"]  # fmt: skip
+    for argv in (["scan", str(path)], ["scan", str(path), "--unsafe-load"], diagnose, [*diagnose, "--unsafe-load"]):
+        assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1] == (
             f"ampdoctor: error: {path}: refused by torch.load(weights_only=True): it needs os.system; "
