@@ -262,8 +262,10 @@ def summary_lines(report: ScanReport) -> list[str]:
     measured = [t for t in report.tensors if t.stats.measured]
     values = sum(t.stats.numel for t in measured)
     lim = report.limits
+    unread = sum(1 for f in report.files if f.unread)
+    not_read = f" ({unread} not read)" if unread else ""
     lines = [
-        f"{report.path}: {len(report.files)} file(s), {len(measured)} floating tensor(s), {values} values; "
+        f"{report.path}: {len(report.files)} file(s){not_read}, {len(measured)} floating tensor(s), {values} values; "
         f"torch {report.torch_version}",
         f"checked against {report.dtype}: max {lim.max:g}, inf from |x| >= {lim.overflow_threshold:g}, "
         f"zero for 0 < |x| <= {fmt_num(lim.flush_threshold)}",
