@@ -11,6 +11,12 @@ other invisible format characters that reorder or hide text, and the undecodable
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .scan_report import ScanReport
 
 # Escapes shown for the common control characters (others: \xNN, \uNNNN).
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\x00": "\\0"}
@@ -34,3 +40,32 @@ def inert(text: str) -> str:
     if text.isprintable() and text.isascii():
         return text
     return "".join(_escape(c) if _dangerous(c) else c for c in text)
+
+
+def inert_names(report: ScanReport) -> ScanReport:
+    """The report with every name that came from the files (path, file names, tensor keys, globals, notes) made
+    :func:`inert`; the text and markdown renderers show this copy. Lookups by name still match: every copy of a
+    name is escaped the same way."""
+    def names(items: Sequence[str]) -> tuple[str, ...]:
+        return tuple(inert(n) for n in items)
+
+    return replace(
+        report,
+        path=inert(report.path),
+        files=tuple(
+            replace(f, name=inert(f.name), skipped=inert(f.skipped), refused=names(f.refused),
+                    refused_unknown=names(f.refused_unknown))  # fmt: skip
+            for f in report.files
+        ),
+        tensors=tuple(replace(t, name=inert(t.name), file=inert(t.file), param=inert(t.param)) for t in report.tensors),
+        optimizers=tuple(
+            replace(o, path=inert(o.path), file=inert(o.file), param_names=names(o.param_names))
+            for o in report.optimizers
+        ),
+        scalers=tuple(replace(c, path=inert(c.path), file=inert(c.file)) for c in report.scalers),
+        findings=tuple(
+            replace(f, tensors=names(f.tensors), worst=inert(f.worst), globals=names(f.globals))
+            for f in report.findings
+        ),
+        notes=names(report.notes),
+    )

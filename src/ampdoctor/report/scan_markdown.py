@@ -8,12 +8,12 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
+from .inert import inert_names
 from .scan_text import (
     Table,
     file_table,
     finding_message,
     finding_title,
-    inert_names,
     module_table,
     notes,
     optimizer_rows,
@@ -57,7 +57,7 @@ def _escape(text: str) -> str:
 
 def render_scan_markdown(report: ScanReport, max_rows: int = 20) -> str:
     """The verdict as a heading, then findings, state and tables, each under its own heading. Names from the files
-    are shown inert (:func:`~.scan_text.inert_names`)."""
+    are shown inert (:func:`~.inert.inert_names`)."""
     report = inert_names(report)
     head = verdict_line(report).split(" - ", 1)
     lines = [f"## ampdoctor scan: {report.verdict}", ""]

@@ -17,7 +17,7 @@ from tabulate import tabulate
 from ..analysis.scan import FLOAT8_SATURATED_SHARE, LOW_SCALER_SCALE
 from ..records.scan import SECOND_MOMENT_KEYS, ModuleSummary, ScanFinding, ScannedTensor
 from ..thresholds import DEFAULT_FP16_SCALE, HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
-from .inert import inert
+from .inert import inert_names
 from .text import describe_bad, fmt_num
 
 if TYPE_CHECKING:
@@ -413,44 +413,13 @@ def notes(report: ScanReport) -> list[str]:
     return [*worded, *report.notes]
 
 
-def inert_names(report: ScanReport) -> ScanReport:
-    """The report with every name that came from the files (path, file names, tensor keys, globals, notes) made
-    :func:`inert`; the text and markdown renderers show this copy. Lookups by name still match: every copy of a
-    name is escaped the same way."""
-    from dataclasses import replace
-
-    def names(items: Sequence[str]) -> tuple[str, ...]:
-        return tuple(inert(n) for n in items)
-
-    return replace(
-        report,
-        path=inert(report.path),
-        files=tuple(
-            replace(f, name=inert(f.name), skipped=inert(f.skipped), refused=names(f.refused),
-                    refused_unknown=names(f.refused_unknown))  # fmt: skip
-            for f in report.files
-        ),
-        tensors=tuple(replace(t, name=inert(t.name), file=inert(t.file), param=inert(t.param)) for t in report.tensors),
-        optimizers=tuple(
-            replace(o, path=inert(o.path), file=inert(o.file), param_names=names(o.param_names))
-            for o in report.optimizers
-        ),
-        scalers=tuple(replace(c, path=inert(c.path), file=inert(c.file)) for c in report.scalers),
-        findings=tuple(
-            replace(f, tensors=names(f.tensors), worst=inert(f.worst), globals=names(f.globals))
-            for f in report.findings
-        ),
-        notes=names(report.notes),
-    )
-
-
 def _table(table: Table) -> str:
     return tabulate(table[1], headers=table[0], tablefmt="simple", disable_numparse=True)
 
 
 def render_scan_text(report: ScanReport, max_rows: int = 20) -> str:
     """The verdict line, the findings, the scaler and optimizer state, then per-module and per-tensor tables.
-    Names from the files are shown inert (:func:`inert_names`)."""
+    Names from the files are shown inert (:func:`~.inert.inert_names`)."""
     report = inert_names(report)
     lines = [verdict_line(report), *("  " + line for line in summary_lines(report))]
     for severity, title in (("error", "Findings"), ("warning", "Warnings")):
