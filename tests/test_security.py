@@ -89,6 +89,8 @@ class Payload:
             opens = [(text("()"), text("builtins.open")), (text("file"), text(s)), (text("mode"), text("w"))]
             handler = str_dict(opens)
             return str_dict([(text("version"), b"K\x01"), (text("handlers"), str_dict([(text("h"), handler)]))])
+        if self.name == "torch.PyTorchFileWriter":  # creates the file it is given
+            return text(s)
         if self.name == "numpy.memmap":  # numpy.memmap(path, "uint8", "w+", 0, (1,)) creates the file
             return text(s) + text("uint8") + text("w+") + b"K\x00" + b"K\x01\x85"
         return text(s)  # the unknown module: importing it is enough
@@ -103,6 +105,7 @@ PAYLOADS = [
     Payload("logging.config.dictConfig", "logging.config", "dictConfig"),
     Payload("torch.fx.graph_module._exec_with_source", "torch.fx.graph_module", "_exec_with_source"),
     Payload("numpy.memmap", "numpy", "memmap"),
+    Payload("torch.PyTorchFileWriter", "torch", "PyTorchFileWriter"),
     Payload("unknown", "ampdoctor_evil_module_19", "boom"),
 ]
 
@@ -219,7 +222,7 @@ def build(fmt: str, position: str, payload: Payload, style: str, sentinel: Path,
 def test_the_generator_covers_every_style_position_and_payload() -> None:
     drawn = list(cases())
     assert {c[3] for c in drawn} == set(STYLES)
-    assert len(drawn) == len(POSITIONS) * len(PAYLOADS) == 90
+    assert len(drawn) == len(POSITIONS) * len(PAYLOADS) == 100
 
 
 def test_no_payload_runs_anywhere_with_or_without_unsafe_load(
@@ -417,6 +420,10 @@ def test_cli_trust_needs_unsafe_load_and_the_model_module_is_trusted(
         ("torch.serialization", "load"),
         ("numpy.lib.npyio", "NpzFile"),  # a Mapping that unpickles its members when read
         ("torch", "serialization.pickle.Unpickler"),  # a class of another module reached through torch
+        ("torch", "PyTorchFileWriter"),  # a C++ binding whose home is "torch": writes a file when built
+        ("torch", "ScriptModule"),
+        ("torch", "_TorchCompileInductorWrapper"),
+        ("torch.jit._script", "RecursiveScriptModule"),
     ],
 )
 def test_torch_and_numpy_names_outside_their_data_classes_are_refused(tmp_path: Path, module: str, name: str) -> None:

@@ -36,7 +36,7 @@ from .sniff import python3_name
 # Parts of torch whose classes hold data; a class is admitted when the module that defines it is one of these or
 # below one of these.
 TORCH_CLASS_MODULES = (
-    "torch",  # exactly the top-level module: torch.Size, torch.dtype, torch.device, torch.finfo ...
+    "torch",  # exactly the top-level module, and only TORCH_TOP_CLASSES (its C++ bindings hold the JIT's classes)
     "torch._tensor",
     "torch.storage",
     "torch.types",
@@ -51,6 +51,14 @@ TORCH_CLASS_MODULES = (
     "torch.ao.nn",
     "torch.ao.quantization",
 )
+# The classes whose home is the top-level ``torch`` module that are admitted, plus the legacy typed tensors and
+# storages (torch.FloatTensor, torch.HalfStorage ...). The C++ bindings also register ScriptModule, Graph,
+# PyTorchFileWriter (writes files), _TorchCompileInductorWrapper (compiles) ... there: none of those.
+TORCH_TOP_CLASSES = frozenset(
+    "Size dtype device layout memory_format qscheme finfo iinfo Tensor Storage SymInt SymFloat SymBool".split()
+)
+_TORCH_TYPED = re.compile(r"(?:BFloat16|Half|Float|Double|ComplexFloat|ComplexDouble|Bool|Byte|Char|Short|Int|Long"
+                          r"|QInt8|QInt32|QUInt8|QUInt4x2|QUInt2x4)(?:Tensor|Storage)")  # fmt: skip
 # Parts of torch that compile, generate or run code, spawn processes or write files: no class defined in (or
 # inheriting from) one of these is admitted, and a global naming one is not even imported.
 TORCH_CODE_MODULES = (
@@ -193,13 +201,22 @@ def _not_code(full: str, obj: Any) -> Any:
     return obj
 
 
+def _torch_top_class(cls: type) -> bool:
+    return cls.__name__ in TORCH_TOP_CLASSES or bool(_TORCH_TYPED.fullmatch(cls.__name__))
+
+
 def _torch_data_class(obj: Any) -> bool:
+    """A class defined in torch's data modules, none of whose bases lives where code is compiled or run."""
     if not isinstance(obj, type):
         return False
-    defined = [getattr(c, "__module__", "") or "" for c in obj.__mro__]
-    home = defined[0]
-    own = home == "torch" or under(home, TORCH_CLASS_MODULES[1:])
-    return own and not any(under(m, TORCH_CODE_MODULES) for m in defined)
+    mro = [(getattr(c, "__module__", "") or "", c) for c in obj.__mro__]
+    home = mro[0][0]
+    if not (home == "torch" or under(home, TORCH_CLASS_MODULES[1:])):
+        return False
+    for module, cls in mro:
+        if under(module, TORCH_CODE_MODULES) or (module == "torch" and not _torch_top_class(cls)):
+            return False
+    return True
 
 
 def _numpy_data_class(obj: Any) -> bool:

@@ -47,7 +47,10 @@ _CODE_NAMES = tuple(
     torch.load torch.hub torch.jit torch.ops torch._ops torch._C torch.serialization torch.fx torch.package
     torch.library torch._library torch._dynamo torch._inductor torch.compiler torch.multiprocessing
     torch.distributed.rpc torch.utils.cpp_extension torch.utils.tensorboard torch.utils.file_baton
-    torch._weights_only_unpickler torch.ao.quantization.fx
+    torch._weights_only_unpickler torch.ao.quantization.fx torch.compile torch.PyTorchFileWriter
+    torch.PyTorchFileReader torch.ScriptModuleSerializer torch.ScriptModule torch.ScriptFunction torch.ScriptMethod
+    torch.ScriptObject torch.ScriptClass torch.StaticModule torch.LiteScriptModule torch.ThroughputBenchmark
+    torch._TorchCompileWrapper torch._TorchCompileInductorWrapper torch._TorchCompileAOTInductorWrapper
     numpy.load numpy.lib.npyio numpy.lib._npyio_impl numpy.lib._datasource numpy.memmap numpy.testing numpy.f2py
     numpy.distutils numpy.ctypeslib
     """.split()
