@@ -242,6 +242,7 @@ def pickle_globals(path: Path, sniffed: Sniffed) -> tuple[list[str], str]:
     ``pickletools``: nothing runs."""
     names: list[str] = []
     pickles = LEGACY_PICKLES if sniffed.kind == "torch-legacy" else 1
+    cut = False
     try:
         data, cut = _pickle_data(path, sniffed)
         for _ in range(pickles):
