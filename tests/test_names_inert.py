@@ -97,3 +97,17 @@ def test_a_diagnose_report_shows_module_names_inert() -> None:
     for rendered in (report.to_text(), render_markdown(report)):
         assert "\x1b" not in rendered
         assert "\\x1b[2Jfake" in rendered.replace("\\\\", "\\").replace("\\[", "[")
+
+
+def test_progress_on_a_terminal_shows_file_names_inert(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(2)}, run / "a\x1b[2Jb.pt")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["scan", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "a\\x1b[2Jb.pt" in err and "\x1b[2J" not in err

@@ -140,7 +140,7 @@ def load_weights(
     shown = progress or NO_PROGRESS
     shown.stage("checking the checkpoint", total=len(files))
     for file in files:  # first round: check every file, load nothing
-        shown.detail(file.name)
+        shown.detail(inert(file.name))
         try:
             loaded = load_file(file, allow_globals, unsafe_load, trust)
         except CheckpointRefused as refused:
@@ -195,7 +195,7 @@ def load_weights(
         )
     shown.stage("loading the weights", total=len(used))
     for name in used:  # second round: everything fits; load one file at a time
-        shown.detail(name)
+        shown.detail(inert(name))
         loaded = load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load, trust)
         part, _ = _best_state_dict(loaded.obj, wanted)
         del loaded

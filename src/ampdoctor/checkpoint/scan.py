@@ -147,7 +147,7 @@ class _FileScan:
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
             saved_on = ""
         if tensor.numel() >= LARGE_TENSOR_NUMEL:
-            self.progress.detail(f"{self.file}: {name} ({tensor.numel():,} values)")
+            self.progress.detail(inert(f"{self.file}: {name} ({tensor.numel():,} values)"))
         if not tensor.is_floating_point() or stored in _WIDE_FLOATS:
             self.pending.append(_Pending(name, role, saved_on, param, self.fp16.add(tensor), self.bf16.add(tensor)))
             return
@@ -358,7 +358,7 @@ def scan(
     refusals: list[CheckpointRefused] = []
     shown.stage("reading", total=len(files))
     for file in files:
-        shown.detail(file.name)
+        shown.detail(inert(file.name))
         try:
             found.append(_scan_file(file, file.name, allow_globals, unsafe_load, trust, shown))
             scanned.append(found[-1].info)
