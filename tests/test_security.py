@@ -10,6 +10,7 @@ STACK_GLOBAL, memoized module name, INST) drawn from a ``random.Random(SEED)``.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickletools
 import random
@@ -331,6 +332,9 @@ class Block(nn.Module):
         super().__init__()
         self.lin = nn.Linear(3, 3)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
 
 def test_unsafe_load_admits_torch_modules_optimizers_numpy_and_containers(tmp_path: Path) -> None:
     import argparse
@@ -450,3 +454,28 @@ def test_a_zip_with_constants_pkl_never_reaches_torch_jit_load(tmp_path: Path, m
         with pytest.raises(AmpDoctorError, match="TorchScript"):
             scan(path, unsafe_load=unsafe)
     assert calls == []
+
+
+def test_trust_without_unsafe_load_is_an_input_error(tmp_path: Path) -> None:
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    with pytest.raises(InvalidInput, match="unsafe_load=True"):
+        scan(path, trust=["mypkg"])
+    with pytest.raises(InvalidInput, match="unsafe_load=True"):
+        load_weights(nn.Linear(2, 1), path, trust=["mypkg"])
+
+
+def make_blocks() -> nn.Sequential:
+    """The --model factory of the test below (its module is trusted by --unsafe-load)."""
+    return nn.Sequential(Block())
+
+
+def test_diagnose_unsafe_load_admits_the_model_module(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.manual_seed(0)
+    whole = tmp_path / "whole.pt"
+    torch.save(make_blocks(), whole)  # a whole pickled model: its classes live in this test module
+    argv = ["diagnose", str(whole), "--model", f"{__name__}:make_blocks", "--input-shape", "2x3", "--format", "json"]
+    assert main(argv) == 2
+    assert "refused by torch.load(weights_only=True)" in capsys.readouterr().err
+    assert main([*argv, "--unsafe-load"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "healthy"

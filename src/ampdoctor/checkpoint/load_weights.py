@@ -125,6 +125,8 @@ def load_weights(
     """
     import torch
 
+    if trust and not unsafe_load:
+        raise InvalidInput("trust= admits globals only when loading with unsafe_load=True (CLI: --unsafe-load)")
     root = Path(path)
     listing = list_checkpoint(root)
     files = listing.files

@@ -344,6 +344,8 @@ def scan(
     """
     if dtype not in ("float16", "bfloat16"):
         raise InvalidInput(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    if trust and not unsafe_load:
+        raise InvalidInput("trust= admits globals only when loading with unsafe_load=True (CLI: --unsafe-load)")
     root = Path(path)
     listing = list_checkpoint(root)
     files = listing.files

@@ -98,13 +98,15 @@ def allowed_globals(args: argparse.Namespace) -> list[str]:
 
 
 def trusted_packages(args: argparse.Namespace, model_spec: Optional[str] = None) -> list[str]:
-    """The ``--trust`` packages, checked (no import), plus the module of ``--model`` when it can be trusted. Raises
-    InvalidInput for ``--trust`` without ``--unsafe-load``."""
+    """With ``--unsafe-load``: the ``--trust`` packages, checked (no import), plus the module of ``--model`` when
+    it can be trusted; without it, none. Raises InvalidInput for ``--trust`` without ``--unsafe-load``."""
     from ..checkpoint.allow_list import check_trusted
 
     trusted = [check_trusted(p) for item in args.trust for p in item.split(",") if p.strip()]
-    if trusted and not args.unsafe_load:
-        raise InvalidInput("--trust admits globals only when loading with --unsafe-load: add --unsafe-load")
+    if not args.unsafe_load:
+        if trusted:
+            raise InvalidInput("--trust admits globals only when loading with --unsafe-load: add --unsafe-load")
+        return []
     if model_spec and ":" in model_spec:
         try:
             trusted.append(check_trusted(model_spec.partition(":")[0]))
