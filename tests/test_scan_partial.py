@@ -234,3 +234,17 @@ def test_a_name_problem_is_called_a_name_problem(tmp_path: Path, monkeypatch: py
     message = str(info.value)
     assert message.startswith(str(path).replace("\udce9", "\\xe9") + ": its file name is not valid UTF-8")
     assert "rename it" in message and "corrupt" not in message
+
+
+def test_a_refused_shard_the_index_names_makes_the_scan_incomplete(tmp_path: Path) -> None:
+    import argparse
+
+    run = sharded(tmp_path)
+    second = sorted(p for p in run.iterdir() if p.suffix == ".bin")[1]
+    torch.save({"bias": torch.ones(2), "args": argparse.Namespace()}, second)  # refused by weights_only
+    report = scan(run)
+    assert report.verdict == "incomplete" and report.exit_code == 2
+    assert [f.kind for f in report.findings] == ["unread", "refused_file"]
+    assert f"{second.name}: refused" in report.to_text()
+    (run / "pytorch_model.bin.index.json").unlink()  # no index: a refused file stays a warning (last round)
+    assert scan(run).verdict == "healthy"

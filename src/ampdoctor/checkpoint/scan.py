@@ -370,8 +370,11 @@ def scan(
             refusals.append(refused)
             size, blocking = file.stat().st_size, tuple(refused.blocking)  # only torch files are ever refused
             unknown = tuple(g for g in blocking if classify_global(g) != "harmless")
+            shard = file.name in listing.indexed  # a shard an index names: its weights were not seen
             scanned.append(
-                ScannedFile(file.name, "torch", size, skipped="refused", refused=blocking, refused_unknown=unknown)
+                ScannedFile(
+                    file.name, "torch", size, skipped="refused", refused=blocking, refused_unknown=unknown, missed=shard
+                )
             )
         except CheckpointError as exc:  # a file of a directory that does not load: named, the rest still scanned
             if not root.is_dir():
