@@ -294,3 +294,33 @@ def pegasus_half_residual_overflow() -> Case:
     ids = torch.randint(2, 64, (2, 10), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(2, 64, (2, 6), generator=torch.Generator().manual_seed(2))
     return model, {"input_ids": ids, "labels": labels}, {}
+
+
+# -- Hugging Face T5 v1.1 (gated-gelu) stored in float16 ----------------------------------------------------------
+
+
+def t5_gated_half_wo_overflow() -> Case:
+    """huggingface/transformers#9295 ("for all the models ... at some point we get inf values in hidden_states after
+    applying the final linear layer (wo) in T5DenseReluDense and T5DenseGatedGeluDense"), #4287 and #5651 (T5 in
+    ``.half()``: NaN from ``h = self.wo(h)``, a value of 66246 > 65504).
+
+    Real ``T5ForConditionalGeneration`` with ``feed_forward_proj="gated-gelu"`` (``T5DenseGatedActDense``, the v1.1
+    feed-forward), tiny config, random weights, stored in float16. The encoder's ``wo`` weights are scaled to
+    |w|max 30000 (fits float16): 64 terms of |h| up to ~6 times weights in the thousands exceed 65504, so ``wo``'s
+    own float16 mm makes +-inf from finite inputs.
+    """
+    transformers = __import__("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, attn_implementation="eager",
+        feed_forward_proj="gated-gelu",
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    wo = model.encoder.block[0].layer[1].DenseReluDense.wo
+    with torch.no_grad():
+        wo.weight.mul_(30000.0 / wo.weight.abs().max())
+    model.half()
+    ids = torch.randint(2, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(2, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    return model, {"input_ids": ids, "labels": labels}, {}
