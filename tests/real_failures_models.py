@@ -324,3 +324,47 @@ def t5_gated_half_wo_overflow() -> Case:
     ids = torch.randint(2, 64, (2, 10), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(2, 64, (2, 6), generator=torch.Generator().manual_seed(2))
     return model, {"input_ids": ids, "labels": labels}, {}
+
+
+# -- an additive attention mask built with -1e9 in float16 --------------------------------------------------------
+
+
+class AdditiveMaskAttention(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) / 4.0
+        extended = (1.0 - mask[:, None, :].to(scores.dtype)) * -1e9  # "fp16 compatibility": the mask in scores' dtype
+        return self.out((scores + extended).softmax(dim=-1) @ v)
+
+
+class AdditiveMaskModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = AdditiveMaskAttention()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, mask))
+
+
+def additive_mask_minus_1e9(empty_sequence: bool) -> Case:
+    """NVIDIA/apex#93 ("On float32 training, I'm masking with -1e20 ... with float16 and masking with -1e15, amp
+    loss scaling always returns NaN for gradients"; ``torch.Tensor([-1e15]).half()`` is -inf): the additive mask
+    ``(1 - mask) * -1e9``, cast to the scores' float16 "for fp16 compatibility" as BERT-style code does, is -inf
+    wherever the mask is 0 (-1e9 is beyond 65504). Where a row keeps some keys, softmax turns the -inf into 0 and
+    the output is right; a row with no key left (``empty_sequence``: sample 1 is all padding) is softmax of all
+    -inf = NaN. With ``torch.finfo(dtype).min`` (-65504) such a row is a finite, uniform softmax instead.
+    """
+    torch.manual_seed(0)
+    model = AdditiveMaskModel()
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 6)
+    mask[1, 4:] = 0
+    if empty_sequence:
+        mask[1] = 0
+    return model, (x, mask), {}

@@ -506,3 +506,54 @@ def test_scale_section_has_no_empty_probe_list() -> None:
     report = _diagnose(model, batch, scale=1.0, **kwargs)
     assert report.findings.scale is not None
     assert "re-run at \n" not in report.to_text() + "\n", report.to_text()
+
+
+# -- NVIDIA/apex#93: an additive mask (1 - mask) * -1e9 is -inf in float16 ----------------------------------------
+
+
+def test_additive_mask_minus_1e9_with_an_empty_sequence_names_the_mask_line() -> None:
+    model, batch, kwargs = cases.additive_mask_minus_1e9(empty_sequence=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isinf(torch.tensor(-1e9).half()) and not torch.isfinite(model(*batch)).all()
+
+    report = _diagnose(model, batch, **kwargs)
+
+    assert report.verdict == "overflow", report.to_text()
+    origin = report.forward_origin
+    assert origin is not None and origin.exact
+    assert (origin.module, origin.class_name, origin.tensor) == ("attn", "AdditiveMaskAttention", "out")
+    assert origin.bad.nan_count == 6 * 16  # sample 1: every query row has no key left
+    assert origin.op is not None and origin.op.op == "aten::mul.Tensor"
+    assert origin.op.scalar_args == (-1e9,)
+    assert origin.op.output_neginf_count > 0
+    assert "* -1e9" in origin.op.location.code
+    assert any(r.action == "bf16" and r.verified for r in report.recommendations)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (missing remedy): the op zoom names aten::mul.Tensor with scalar_args (-1e9,) on the line "
+    "`(1.0 - mask...) * -1e9`, but the mask-constant rule (fixes/recommend.py _mask_constant) only looks at FILL_OPS "
+    "(masked_fill, fill, full, where, new_full, scalar_tensor), so the README's 'a mask constant that fits float16 "
+    "(torch.finfo(dtype).min instead of -1e9)' is not offered for the additive-mask form of the same mistake; "
+    "only bfloat16 is.",
+)
+def test_additive_mask_minus_1e9_offers_the_finfo_min_constant() -> None:
+    model, batch, kwargs = cases.additive_mask_minus_1e9(empty_sequence=True)
+    report = _diagnose(model, batch, **kwargs)
+    assert any(r.action == "mask_constant" for r in report.recommendations), report.to_text()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (false HEALTHY, low severity): with every row keeping a key, `(1 - mask) * -1e9` still makes -inf "
+    "from finite values inside AdditiveMaskAttention and the softmax hides it; the README says a finite fill "
+    "constant too large for float16 is an overflow (not an intentional -inf), but the survey sees finite module "
+    "outputs and says HEALTHY. Harmless for this batch, NaN as soon as one sequence is empty (test above).",
+)
+def test_additive_mask_minus_1e9_is_not_healthy_even_when_no_row_is_empty() -> None:
+    model, batch, kwargs = cases.additive_mask_minus_1e9(empty_sequence=False)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isfinite(model(*batch)).all()
+    report = _diagnose(model, batch, **kwargs)
+    assert report.verdict != "healthy", report.to_text()
