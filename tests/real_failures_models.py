@@ -368,3 +368,48 @@ def additive_mask_minus_1e9(empty_sequence: bool) -> Case:
     if empty_sequence:
         mask[1] = 0
     return model, (x, mask), {}
+
+
+# -- a clamp epsilon that float16 cannot represent next to 1.0 ----------------------------------------------------
+
+
+class AnySpanProbability(nn.Module):
+    """P(at least one span is active) = 1 - prod(1 - p), through log-survival as GLiNER2's consistency loss does."""
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        probabilities = torch.sigmoid(logits)
+        log_survival = torch.log1p(-probabilities.clamp(max=1.0 - 1e-6))
+        return 1.0 - torch.exp(log_survival.sum(dim=-1))
+
+
+class SpanScorer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 32), nn.GELU())
+        self.span_logits = nn.Linear(32, 8)
+        self.any_span = AnySpanProbability()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.any_span(self.span_logits(self.encoder(x)))
+
+
+def clamp_eps_below_one() -> Case:
+    """fastino-ai/GLiNER2#155: ``log1p(-probabilities.clamp(max=1.0 - 1e-6))`` — "1.0 - 1e-6 rounds to EXACTLY 1.0
+    [in half precision] and the clamp becomes a no-op. A saturated probability then reaches 1.0 and log1p(-1.0) is
+    -inf. The forward stays finite ... 1 - exp(-inf) is 1. Only the backward breaks -- d/dp log1p(-p) is -1/(1-p) =
+    -inf ... 0 * inf = NaN. Under fp16 the GradScaler absorbs it as skipped steps and a collapsing loss scale."
+
+    span_logits' bias on unit 0 is +20: sigmoid(20) = 1 - 2e-9 is exactly 1.0 in float16 for every sample, so every
+    sample's log-survival sum is -inf, its output exactly 1.0, and the backward through log1p is NaN at any scale.
+    """
+    torch.manual_seed(0)
+    model = SpanScorer()
+    with torch.no_grad():
+        model.span_logits.bias[0] = 20.0
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    target = torch.tensor([1.0, 0.0, 1.0, 0.0])
+
+    def loss_fn(out: torch.Tensor, _batch: Any) -> torch.Tensor:
+        return F.mse_loss(out.float(), target)
+
+    return model, x, {"loss_fn": loss_fn}

@@ -557,3 +557,35 @@ def test_additive_mask_minus_1e9_is_not_healthy_even_when_no_row_is_empty() -> N
         assert torch.isfinite(model(*batch)).all()
     report = _diagnose(model, batch, **kwargs)
     assert report.verdict != "healthy", report.to_text()
+
+
+# -- fastino-ai/GLiNER2#155: clamp(max=1 - 1e-6) is a no-op in float16; only the backward breaks ------------------
+
+
+def test_clamp_eps_below_one_names_the_log1p_backward_at_every_scale() -> None:
+    model, batch, kwargs = cases.clamp_eps_below_one()
+    assert torch.tensor(1.0 - 1e-6, dtype=torch.float16) == 1.0, "premise: 1 - 1e-6 is 1.0 in float16"
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(batch)
+        loss = kwargs["loss_fn"](out, batch)
+    assert torch.isfinite(out).all() and out.tolist() == [1.0] * 4, "the forward stays finite"
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert not all(bool(torch.isfinite(g).all()) for g in grads), "the backward is not"
+
+    report = _diagnose(model, batch, **kwargs)
+
+    assert report.verdict == "nan", report.to_text()
+    assert report.forward_origin is None
+    origin = report.backward_origin
+    assert origin is not None
+    assert (origin.module, origin.class_name, origin.tensor) == ("any_span", "AnySpanProbability", "grad:args[0]")
+    assert origin.bad.nan_count == 4  # unit 0's gradient, one per sample
+    assert origin.op is not None and origin.op.node == "Log1PBackward0"
+    assert origin.op.location.code == "log_survival = torch.log1p(-probabilities.clamp(max=1.0 - 1e-6))"
+    scale = report.findings.scale
+    assert scale is not None and scale.largest_finite_scale is None  # no loss scale helps: GradScaler skips forever
+    fallback = _fallback(report)
+    assert fallback is not None and fallback.modules == ("any_span",) and fallback.verified, report.to_text()
+    # bfloat16 rounds 1 - 1e-6 to 1.0 as well: the re-run says so instead of recommending it.
+    bf16 = next(r for r in report.recommendations if r.action == "bf16")
+    assert not bf16.verified and "still non-finite" in bf16.evidence
