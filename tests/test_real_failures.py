@@ -374,9 +374,14 @@ def test_pegasus_premise_the_layer_clamp_hides_an_inf(pegasus: Any) -> None:
     assert torch.isfinite(seen["loss"])
 
 
-def test_pegasus_reports_fc2_within_one_bit_of_the_max(pegasus: Any) -> None:
+@pytest.fixture(scope="module")
+def pegasus_report(pegasus: Any) -> ampdoctor.Report:
     model, batch, kwargs = pegasus
-    report = _diagnose(model, batch, **kwargs)
+    return _diagnose(model, batch, **kwargs)
+
+
+def test_pegasus_reports_fc2_within_one_bit_of_the_max(pegasus_report: ampdoctor.Report) -> None:
+    report = pegasus_report
     near = {(n.module, n.tensor) for n in report.findings.near_limit}
     assert ("model.encoder.layers.0.fc2", "out") in near
     assert ("model.encoder.layers.0", "out") in near
@@ -391,9 +396,8 @@ def test_pegasus_reports_fc2_within_one_bit_of_the_max(pegasus: Any) -> None:
     "only a near-limit warning: a hidden overflow (an op made inf from finite inputs, a later op hid it) must be "
     "a finding, never HEALTHY, with the origin at model.encoder.layers.0 and op aten::add.",
 )
-def test_pegasus_hidden_residual_overflow_is_not_healthy(pegasus: Any) -> None:
-    model, batch, kwargs = pegasus
-    report = _diagnose(model, batch, **kwargs)
+def test_pegasus_hidden_residual_overflow_is_not_healthy(pegasus_report: ampdoctor.Report) -> None:
+    report = pegasus_report
     assert report.verdict == "overflow", report.to_text()
     origin = report.forward_origin
     assert origin is not None and origin.module == "model.encoder.layers.0"
@@ -443,6 +447,7 @@ def test_t5_half_gated_ffn_names_wo_and_its_mm(t5_half: Any) -> None:
     assert actions["bf16"].verified
 
 
+@pytest.mark.slow  # a second T5 diagnosis (~5 s on a loaded 2-core machine)
 @pytest.mark.xfail(
     strict=True,
     reason="DEFECT (remedy crashes): on a model whose weights are stored in float16 (model.half(), "
