@@ -19,7 +19,9 @@ from . import FrozenMap, TensorStats
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
 # 1.1: findings hold data (their prose is rendered), tuples, notes, storage formats (float8), exit_code.
-SCAN_SCHEMA_VERSION = "1.1"
+# 1.2: the "incomplete" verdict, files listed but not read (unread) and shards an index names but the folder lacks
+#      (missed), finding kinds "unread" and "skipped_unread".
+SCAN_SCHEMA_VERSION = "1.2"
 
 Severity = Literal["error", "warning", "note"]
 # "incomplete": no finding, but files that may hold weights could not be read (never "healthy" then).
