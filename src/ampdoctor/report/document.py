@@ -223,7 +223,7 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
     """Everything the text and markdown reports say, in order."""
     f, run = report.findings, report.run
     origin = f.forward_origin or f.backward_origin
-    head = f.verdict.upper() + (f" - {origin.direction} origin: {origin.label}" if origin is not None else "")
+    head = verdict_text(report) + (f" - {origin.direction} origin: {origin.label}" if origin is not None else "")
     if not run.backward_checked:
         head += " (forward only: no gradient was checked)"
     if f.divergence is not None:
@@ -348,10 +348,26 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
     return Document(f.verdict, head, facts, tuple(sections), alerts(report))
 
 
+def verdict_text(report: Report) -> str:
+    """'HEALTHY', or 'HEALTHY on random input' when the batch was random: never mistaken for real data's."""
+    return report.verdict.upper() + (" on random input" if report.run.random_input else "")
+
+
+def random_input_alert(random_input: str) -> str:
+    """What a random batch means for the verdict (the first line under the head of every rendering)."""
+    return (
+        f"The batch was random ({random_input}), not your data: this verdict is about random values only. Real "
+        "inputs (their scale, outliers, real targets) can overflow where random ones do not; give a real batch "
+        "(--batch FILE, or --batch MODULE:FUNCTION) for a verdict on your data."
+    )
+
+
 def alerts(report: Report) -> tuple[str, ...]:
-    """Facts that change what the whole report means: the user's loop without AMP here, no gradient checked."""
+    """Facts that change what the whole report means: a random batch, the user's loop without AMP here, no
+    gradient checked."""
     run = report.run
-    return (*run.environment, *([run.backward_note] if run.backward_note else []))
+    random = [random_input_alert(run.random_input)] if run.random_input else []
+    return (*random, *run.environment, *([run.backward_note] if run.backward_note else []))
 
 
 def failed_passes(report: Report) -> list[str]:

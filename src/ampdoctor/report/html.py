@@ -25,6 +25,7 @@ from .document import (
     divergence_lines,
     failed_passes,
     fmt_num,
+    verdict_text,
 )
 from .html_parts import _code, _e, _names, _shape, _td
 from .html_tables import COLLAPSE_MIN_RUN, FULL_TABLE_ROWS, backward_section, forward_section, steps_section
@@ -67,7 +68,7 @@ def _banner(report: Report) -> str:
         where += f" · divergence from step {f.divergence.began}"
     notices = "".join(f'<div class="ad-alert">{_e(a)}</div>' for a in alerts(report))
     return (
-        f'<div class="ad-banner ad-v-{_e(css)}"><span class="ad-verdict">{_e(verdict.upper())}</span>{where}'
+        f'<div class="ad-banner ad-v-{_e(css)}"><span class="ad-verdict">{_e(verdict_text(report))}</span>{where}'
         f'<div class="ad-facts">{_e(facts)}</div>{notices}</div>'
     )
 
@@ -299,7 +300,7 @@ def render_html(report: Report) -> str:
 def render_html_page(report: Report) -> str:
     """A standalone HTML document (``--format html``): the same report, viewable in any browser."""
     origin = report.forward_origin or report.backward_origin
-    title = f"ampdoctor: {report.verdict}" + (f" at {origin.label}" if origin is not None else "")
+    title = f"ampdoctor: {verdict_text(report)}" + (f" at {origin.label}" if origin is not None else "")
     title += f" ({report.run.model_class})"
     return (
         "<!DOCTYPE html>\n"

@@ -60,6 +60,8 @@ class Report(SavedReport):
         """Plain data for JSON: every field, plus ``verdict`` and ``exit_code`` at the top (read-only: ignored
         by :meth:`from_dict`, which recomputes them)."""
         data: dict[str, Any] = {"verdict": self.verdict, "exit_code": self.exit_code}
+        if self.run.random_input:  # the verdict is about a random batch, not real data (see run.random_input)
+            data["on_random_input"] = True
         data.update(to_plain(self))
         return data
 
