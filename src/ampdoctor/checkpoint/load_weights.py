@@ -12,7 +12,8 @@ from ..capture.model import strip_wrapper_prefixes
 from ..capture.progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
 from ..records import FrozenMap
-from .safe_load import SafetensorsMapping, checkpoint_files, is_malicious, load_file, refusal
+from .formats import DcpTree, checkpoint_entries, load_entry
+from .safe_load import SafetensorsMapping, is_malicious, refusal
 from .scan import _MAX_DEPTH, is_optimizer_state, is_scaler_state, join_key, number
 
 if TYPE_CHECKING:
@@ -45,6 +46,10 @@ def _tensor_mappings(obj: Any, depth: int = 0) -> Iterator[Mapping[str, Any]]:
         return
     if isinstance(obj, SafetensorsMapping):
         yield obj
+        return
+    if isinstance(obj, DcpTree):  # its levels holding tensors, known from the metadata: nothing is read here
+        skip = lambda tree: is_optimizer_state(tree) or is_scaler_state(tree)  # noqa: E731
+        yield from (tree.tensors_only() for tree in obj.subtrees(skip) if tree.tensor_keys())
         return
     if isinstance(obj, Mapping):
         if is_optimizer_state(obj) or is_scaler_state(obj):
@@ -121,7 +126,7 @@ def load_weights(
     import torch
 
     root = Path(path)
-    files = checkpoint_files(root)
+    files = checkpoint_entries(root)
     own = model.state_dict()
     wanted = set(own)
     seen: set[str] = set()
@@ -136,7 +141,7 @@ def load_weights(
     for file in files:  # first round: check every file, load nothing
         shown.detail(file.name)
         try:
-            loaded = load_file(file, allow_globals, unsafe_load)
+            loaded = load_entry(file, allow_globals, unsafe_load)
         except CheckpointRefused as refused:
             if not root.is_dir() or is_malicious(refused):
                 raise
@@ -183,7 +188,7 @@ def load_weights(
     shown.stage("loading the weights", total=len(used))
     for name in used:  # second round: everything fits; load one file at a time
         shown.detail(name)
-        loaded = load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load)
+        loaded = load_entry(root / name if root.is_dir() and name != root.name else root, allow_globals, unsafe_load)
         part, _ = _best_state_dict(loaded.obj, wanted)
         del loaded
         with torch.no_grad():
@@ -220,7 +225,7 @@ def _find_scaler(obj: Any, name: str = "", depth: int = 0) -> Optional[tuple[flo
             return None if scale is None else (scale, name)
         if is_optimizer_state(obj) or isinstance(obj, SafetensorsMapping):
             return None
-        items: Iterable[tuple[Any, Any]] = obj.items()
+        items: Iterable[tuple[Any, Any]] = obj.branches() if isinstance(obj, DcpTree) else obj.items()
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
     else:

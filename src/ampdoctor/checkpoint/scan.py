@@ -29,7 +29,8 @@ from ..records.scan import (
     StorageFormat,
 )
 from ..report.scan_report import ScanReport
-from .safe_load import checkpoint_files, classify_global, first_line, is_malicious, load_file, refusal
+from .formats import checkpoint_entries, entry_size, load_entry
+from .safe_load import classify_global, first_line, is_malicious, load_file, refusal
 
 if TYPE_CHECKING:
     import torch
@@ -265,7 +266,7 @@ class _Found:
 
 def _scan_file(path: Path, label: str, allow_globals: Sequence[str], unsafe_load: bool, progress: Progress) -> _Found:
     """Load, measure and let go of one file: its tensors are unreachable when this returns."""
-    loaded = load_file(path, allow_globals, unsafe_load)
+    loaded = load_entry(path, allow_globals, unsafe_load, load_file)
     scan = _FileScan(label, loaded.locations, progress)
     try:
         scan.visit(loaded.obj)
@@ -281,7 +282,7 @@ def _scan_file(path: Path, label: str, allow_globals: Sequence[str], unsafe_load
     info = ScannedFile(
         name=label,
         format=fmt,
-        size_bytes=path.stat().st_size,
+        size_bytes=entry_size(path),
         tensors=len(tensors),
         memory_mapped=mapped,
         saved_on=FrozenMap(_count_locations(tensors)),
@@ -301,8 +302,10 @@ def scan(
     """Scan a saved checkpoint for values that break mixed precision; no model code is needed.
 
     Args:
-        path: a ``torch.save``d state dict or training checkpoint (model / optimizer / scaler, nested), a
-            ``.safetensors`` file, or a directory of such files (shards; read one at a time).
+        path: a ``torch.save``d state dict or training checkpoint (model / optimizer / scaler, nested; a
+            Lightning ``.ckpt``), a ``.safetensors`` file, a directory of such files (shards, a Hugging Face
+            sharded folder, an Accelerate ``save_state`` folder; read one at a time), or a
+            ``torch.distributed.checkpoint`` folder (read one tensor at a time, no process group).
         dtype: the autocast format the verdict is about: ``"float16"`` (default) or ``"bfloat16"``. Counts for
             both are always reported. Tensors stored in float8 are judged against their own format.
         allow_globals: names such as ``"argparse.Namespace"`` to allow in ``torch.load(weights_only=True)``; a
@@ -320,7 +323,7 @@ def scan(
     if dtype not in ("float16", "bfloat16"):
         raise InvalidInput(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     root = Path(path)
-    files = checkpoint_files(root)
+    files = checkpoint_entries(root)
     shown = progress or NO_PROGRESS
     import torch
 

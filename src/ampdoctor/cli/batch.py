@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -69,11 +69,17 @@ def _plain(batch: Any, where: str) -> Any:
     return batch
 
 
-def load_batch(text: str, allow_globals: Sequence[str] = (), unsafe_load: bool = False) -> Any:
-    """The batch from ``--batch``: a function's return value, .npy/.npz (no pickles), or a torch file loaded
-    like a checkpoint (weights_only, the pickle checked first, ``--allow-global`` / ``--unsafe-load``)."""
+def load_batch(
+    text: str,
+    import_function: Callable[[str, str], Callable[..., Any]],
+    allow_globals: Sequence[str] = (),
+    unsafe_load: bool = False,
+) -> Any:
+    """The batch from ``--batch``: a function's return value (``import_function(spec, "--batch")`` finds it),
+    .npy/.npz (no pickles), or a torch file loaded like a checkpoint (weights_only, the pickle checked first,
+    ``--allow-global`` / ``--unsafe-load``)."""
     if is_function_spec(text):
-        return _batch_from_function(text)
+        return _batch_from_function(text, import_function(text, "--batch"))
     import numpy as np
     import torch
 
@@ -105,10 +111,7 @@ def load_batch(text: str, allow_globals: Sequence[str] = (), unsafe_load: bool =
     return _plain(obj, f"--batch {text}")
 
 
-def _batch_from_function(spec: str) -> Any:
-    from .inputs import import_factory
-
-    make = import_factory(spec, "--batch")
+def _batch_from_function(spec: str, make: Callable[..., Any]) -> Any:
     try:
         with user_code(f"--batch {spec}: the function"):
             batch = make()

@@ -203,7 +203,7 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
     if plan.shape is not None:
         batch = random_batch(plan.shape, args.input_shape, args.input_dtype, model)
     else:
-        batch = load_batch(args.batch, globals_, args.unsafe_load)
+        batch = load_batch(args.batch, import_factory, globals_, args.unsafe_load)
     scale, scale_source, notes = _checkpoint_scale(args, loaded.scaler_scale, loaded.scaler_path)
     model.to(device)
     batch = to_device(batch, device)

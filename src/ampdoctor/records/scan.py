@@ -25,7 +25,7 @@ Severity = Literal["error", "warning", "note"]
 ScanVerdict = Literal["healthy", "overflow", "nan", "underflow"]
 FindingVerdict = Literal["overflow", "nan", "underflow"]
 Role = Literal["weights", "optimizer", "scaler"]  # "weights": anything outside an optimizer or a scaler
-FileFormat = Literal["torch", "torch-legacy", "safetensors"]
+FileFormat = Literal["torch", "torch-legacy", "safetensors", "dcp"]  # dcp: a torch.distributed.checkpoint folder
 FindingKind = Literal[
     "nonfinite",  # weight or GradScaler tensors hold inf/NaN (``role`` says which)
     "beyond_range",  # weight values that become inf when cast to the target format
