@@ -111,7 +111,7 @@ def test_random_input_is_said_in_every_format(work: Path) -> None:
     assert "HEALTHY on random input" in markdown.splitlines()[0] and "The batch was random" in markdown
     html = run([*base, "--format", "html"], work).stdout
     assert '<span class="ad-verdict">HEALTHY on random input</span>' in html
-    assert "<title>ampdoctor: HEALTHY on random input" in html and "The batch was random" in html
+    assert "<title>ampdoctor: healthy on random input" in html and "The batch was random" in html
     # The same checkpoint on the real batch: the overflow the random batch could not show, and no random note.
     real = run(["diagnose", "ckpt.pt", "--model", "inputmodels:build", "--batch", "xy.pt", "--model-inputs", "0",
                 "-q"], work)
