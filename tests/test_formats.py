@@ -212,6 +212,33 @@ def test_accelerate_save_state_folder(tmp_path: Path, monkeypatch: pytest.Monkey
     assert same_weights(fresh, model) and loaded.files == ("model.safetensors",) and loaded.scaler_scale == 512.0
 
 
+def test_accelerate_fsdp_layout_with_dcp_subfolders(tmp_path: Path) -> None:
+    """Accelerate's FSDP save_state (SHARDED_STATE_DICT) writes DCP folders inside the state folder:
+    ``pytorch_model_fsdp_0/`` ({"model": ...}) and ``optimizer_0/`` ({"optimizer": ...}), beside ``scaler.pt``.
+    Written here with dcp.save and torch.save in that layout (a real FSDP run needs several processes)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = small_model()
+    opt = trained(model)
+    state = tmp_path / "checkpoint_3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(state / "pytorch_model_fsdp_0"))
+        dcp.save({"optimizer": opt.state_dict()}, checkpoint_id=str(state / "optimizer_0"))
+    torch.save(torch.amp.GradScaler("cpu", init_scale=0.5).state_dict(), state / "scaler.pt")
+    report = ampdoctor.scan(state)
+    assert [(f.name, f.format) for f in report.files] == [
+        ("optimizer_0", "dcp"), ("pytorch_model_fsdp_0", "dcp"), ("scaler.pt", "torch")
+    ]
+    assert [(o.file, o.path, o.states) for o in report.optimizers] == [("optimizer_0", "optimizer", 4)]
+    assert [(s.file, s.scale) for s in report.scalers] == [("scaler.pt", 0.5)] and "scaler_collapsed" in kinds(report)
+    fresh = small_model()
+    with torch.no_grad():
+        fresh[0].bias.fill_(3.0)
+    loaded = load_weights(fresh, state)
+    assert same_weights(fresh, model) and loaded.files == ("pytorch_model_fsdp_0",) and loaded.scaler_scale == 0.5
+
+
 # -- Lightning ---------------------------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from ..errors import CheckpointError
 from .dcp import DcpReader, DcpTree, is_dcp_folder
 from .safe_load import LoadedFile, checkpoint_files, load_file
 
@@ -26,10 +27,18 @@ __all__ = ["DcpTree", "checkpoint_entries", "entry_size", "is_dcp_folder", "load
 
 
 def checkpoint_entries(root: Path) -> list[Path]:
-    """What a scan reads one at a time: a DCP folder as one entry, else the checkpoint files."""
+    """What a scan reads one at a time: a DCP folder as one entry; else the checkpoint files, and the DCP folders
+    directly inside a folder (Accelerate's FSDP ``save_state`` writes ``pytorch_model_fsdp_0/``, ``optimizer_0/``)."""
     if is_dcp_folder(root):
         return [root]
-    return checkpoint_files(root)
+    inner = sorted(p for p in root.iterdir() if is_dcp_folder(p)) if root.is_dir() else []
+    try:
+        files = checkpoint_files(root)
+    except CheckpointError:
+        if not inner:
+            raise
+        files = []
+    return sorted([*files, *inner], key=lambda p: p.name)
 
 
 def load_entry(
