@@ -136,6 +136,31 @@ def test_dcp_metadata_goes_through_the_loading_policy(tmp_path: Path, monkeypatc
     assert ampdoctor.scan(folder, allow_globals=["argparse.Namespace"]).scalers[0].scale == 0.25
 
 
+def test_dcp_folder_damaged_or_incomplete_is_never_healthy(tmp_path: Path) -> None:
+    import dataclasses
+
+    from ampdoctor.errors import CheckpointError
+
+    folder = tmp_path / "ckpt"
+    save_dcp(folder)
+    original = (folder / ".metadata").read_bytes()
+    meta = pickle.loads(original)
+    first = next(iter(meta.storage_data))  # an item the scan never reads (the learning rate)
+    meta.storage_data[first] = dataclasses.replace(meta.storage_data[first], relative_path="../outside.distcp")
+    (tmp_path / "outside.distcp").write_bytes(b"x")
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"names a data file outside the folder \(\.\./outside\.distcp\)"):
+        ampdoctor.scan(folder)
+    (folder / ".metadata").write_bytes(original)
+    (folder / "__0_0.distcp").rename(folder / "__1_0.distcp")  # the data file the metadata names is absent
+    with pytest.raises(CheckpointError, match="incomplete: its metadata names __0_0.distcp"):
+        ampdoctor.scan(folder)
+    (folder / "__1_0.distcp").rename(folder / "__0_0.distcp")
+    (folder / ".metadata").write_bytes(original[: len(original) // 2])
+    with pytest.raises(CheckpointError, match="a truncated or corrupt DCP metadata file"):
+        ampdoctor.scan(folder)
+
+
 def fsdp2_save_worker(rank: int, port: int, folder: str) -> None:
     """Two gloo ranks: a model sharded with fully_shard, saved with dcp.save (one chunk of each tensor per rank)."""
     import torch.distributed.checkpoint as dcp

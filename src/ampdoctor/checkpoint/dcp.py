@@ -19,7 +19,6 @@ bounded by the largest tensor, not by the checkpoint.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -166,6 +165,16 @@ class DcpReader:
             offsets = getattr(index, "offset", None)
             item = _Item(str(info.relative_path), int(info.offset), int(info.length), tuple(offsets or ()))
             self.items.setdefault(fqn, []).append(item)
+        root = folder.resolve()
+        for name in self.files():  # every file the metadata names: inside the folder, and there
+            if Path(name).is_absolute() or not (root / name).resolve().is_relative_to(root):
+                raise CheckpointError(f"{folder}: its metadata names a data file outside the folder ({name}): refused")
+        absent = [name for name in self.files() if not (folder / name).is_file()]
+        if absent:
+            raise CheckpointError(
+                f"{folder}: incomplete: its metadata names {', '.join(absent)}, which "
+                f"{'is' if len(absent) == 1 else 'are'} not in the folder (an unfinished copy?)"
+            )
 
     def files(self) -> list[str]:
         return sorted({i.file for items in self.items.values() for i in items})
@@ -184,9 +193,7 @@ class DcpReader:
     def _load(self, item: _Item, fqn: str) -> Any:
         import torch
 
-        path = self.folder / item.file
-        if os.path.relpath(path.resolve(), self.folder.resolve()).startswith(".."):
-            raise CheckpointError(f"{self.folder}: {fqn} points outside the folder ({item.file}): refused")
+        path = self.folder / item.file  # checked to lie inside the folder when the metadata was read
         allowed = [resolve_global(n) for n in self.allow_globals]
         try:
             with open(path, "rb") as handle, torch.serialization.safe_globals(allowed):
