@@ -57,8 +57,8 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
     parser.add_argument(
         "checkpoint",
         metavar="CKPT",
-        help="checkpoint file, directory of shards, or a failure bundle written by ampdoctor.watch (which holds "
-        "its own batch)",
+        help="checkpoint file, folder of shards (Hugging Face, Accelerate save_state), torch.distributed.checkpoint "
+        "folder, or a failure bundle written by ampdoctor.watch (which holds its own batch)",
     )
     parser.add_argument(
         "--model",
