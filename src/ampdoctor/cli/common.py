@@ -24,7 +24,7 @@ from .fileio import PathLike, write_output
 if TYPE_CHECKING:
     from ..report import Report
 
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
 FORMATS = ("text", "json", "markdown", "html")
 
 
