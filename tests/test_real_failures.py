@@ -448,14 +448,6 @@ def test_t5_half_gated_ffn_names_wo_and_its_mm(t5_half: Any) -> None:
 
 
 @pytest.mark.slow  # a second T5 diagnosis (~5 s on a loaded 2-core machine)
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (remedy crashes): on a model whose weights are stored in float16 (model.half(), "
-    "torch_dtype=float16), the fp32_fallback of the origin casts the inputs to float32 but leaves the module's "
-    "float16 weights as they are; the verification re-run raises 'expected m1 and m2 to have the same dtype, but "
-    "got: float != c10::Half' and the recommendation still ships the ampdoctor.fp32_fallback(model, [...]) snippet, "
-    "which raises the same error in the user's training.",
-)
 def test_t5_half_fp32_fallback_of_wo_is_verified(t5_half: Any) -> None:
     model, batch, kwargs = t5_half
     report = _diagnose(model, batch, **kwargs)
