@@ -128,13 +128,6 @@ def test_mha_fully_masked_row_is_nan_under_the_cuda_policy_too() -> None:
     assert origin.op is not None and origin.op.op == "aten::_softmax" and origin.op.output_dtype == "float32"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (misleading note): the origin's policy_note says 'on CUDA `softmax` runs in float32: this NaN "
-    "is specific to the CPU policy', but softmax of an all -inf row is NaN in float32 too (the float32 forward "
-    "and policy='cuda' both give it, and the report's own fallback evidence says 'attn stays the origin even in "
-    "float32'). The note is decided from the op's name alone, not from whether float32 removes the NaN.",
-)
 def test_mha_fully_masked_row_note_does_not_blame_the_cpu_policy() -> None:
     model, batch, kwargs = cases.mha_fully_masked_row()
     report = _diagnose(model, batch, **kwargs)
@@ -606,13 +599,6 @@ def test_cpu_only_nans_are_absent_under_the_cuda_policy(case: str) -> None:
     assert cuda.forward_origin is None, cuda.to_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (missing note): the forward NaN of F.normalize (pytorch#32137) and of BertLayerNorm's eps "
-    "(pytorch#41527) happens only because CPU autocast keeps the norm / pow in float16 (policy='cuda' is free of it, "
-    "test above), but the origin's policy_note is empty: the note is decided from the named op (aten::div, the "
-    "same on both policies) alone, not from the ops whose policy differs upstream of it in the same call.",
-)
 @pytest.mark.parametrize("case", sorted(CPU_ONLY_NANS))
 def test_cpu_only_nans_carry_the_policy_note(case: str) -> None:
     model, batch, kwargs = getattr(cases, case)()
