@@ -53,6 +53,7 @@ class RankPayload:
     stats_every: int
     scale: Optional[float]  # after the last step
     total_steps: int  # steps seen, kept or not
+    forecasts: tuple[str, ...] = ()  # the overflow forecasts the watch warned about (:mod:`.lookout`)
 
 
 def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
@@ -72,7 +73,9 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
     if diverged is not None:
         warnings.insert(0, divergence_summary(diverged))
     findings = dataclasses.replace(
-        findings, warnings=(*findings.warnings, *warnings, *trend_warnings(steps, own.dtype)), divergence=diverged
+        findings,
+        warnings=(*findings.warnings, *warnings, *_forecasts(payloads, merged), *trend_warnings(steps, own.dtype)),
+        divergence=diverged,
     )
     notes = _summary(own, steps, runs)
     if merged:
@@ -106,6 +109,11 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
         scale=scale, detailed=False, calls=(), grad_events=(), batch=(), output=(), loss=None, backward_ran=False
     )
     return Report(run_info, own.modules, trace, findings, (), steps=tuple(steps))
+
+
+def _forecasts(payloads: Sequence[RankPayload], merged: bool) -> list[str]:
+    """Each rank's forecast warnings (prefixed with the rank when merged)."""
+    return [f"rank {p.rank}: {t}" if merged else t for p in payloads for t in p.forecasts]
 
 
 def _first_local(payloads: Sequence[RankPayload]) -> Optional[tuple[int, int]]:
@@ -262,7 +270,7 @@ def trends(steps: Sequence[StepRecord], format_max: float) -> dict[str, list[tup
         series = []
         for step in sorted(per_step):
             value = per_step[step]
-            bits = math.log2(format_max / value) if value > 0 else math.inf
+            bits = math.log2(format_max / value) if 0 < value < math.inf else math.inf  # an all -inf mask
             if math.isfinite(bits):
                 series.append((step, bits))
         if series:

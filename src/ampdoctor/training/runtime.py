@@ -50,9 +50,11 @@ from .bundle import PathLike
 from .compiled import COMPILED_NOTE, NO_STATS_NOTE
 from .compose import RankPayload, compose_report, trends
 from .failures import FailureTracker, Plan
+from .forecast import FORECAST_HORIZON, WARN_HEADROOM_BITS
 from .hooks import MAX_MICRO_BATCHES, WatchHooks
+from .lookout import Lookout
 from .quiet import own_capture
-from .readback import Decoded, Extra, StepState, detach_tree, found_inf_flags, loss_value, scale_value
+from .readback import Extra, StepState, WeightNorms, detach_tree, found_inf_flags, loss_value, scale_value
 from .replay_step import LossFn, StepReplayer
 from .runs import is_bad
 from .taps import Tap, join
@@ -100,6 +102,9 @@ class Watch:
         bundle_dir: Optional[PathLike] = None,
         save_bundle: bool = True,
         max_output_grad_bytes: int = MAX_KEPT_OUTPUT_GRAD_BYTES,
+        log_to: Any = None,
+        warn_headroom_bits: float = WARN_HEADROOM_BITS,
+        forecast_horizon: int = FORECAST_HORIZON,
     ) -> None:
         if dtype not in (None, torch.float16, torch.bfloat16):
             raise AmpDoctorError(f"dtype must be torch.float16, torch.bfloat16 or None, got {dtype}")
@@ -142,8 +147,10 @@ class Watch:
         self.targets: Any = None
         self.cur = StepState()
         self.hooks = WatchHooks(self)
+        self._lookout = Lookout(warn_headroom_bits, forecast_horizon, log_to, self.rank, self.world_size)
+        self.hooks.count_underflow = self._lookout.sink is not None
         self._taps: list[Tap] = []
-        self._owned: Optional[list[tuple[str, torch.Tensor]]] = None  # each parameter with its module's name
+        self._norms = WeightNorms(self.root)
         self._failures = FailureTracker(
             self.root, max_captures=self.max_captures, save_bundle=save_bundle, bundle_dir=bundle_dir,
             rank=self.rank, world_size=self.world_size, scaler=scaler, note=self._note,
@@ -185,6 +192,10 @@ class Watch:
         for tap in self._taps:
             tap.leave(self)
         self._taps.clear()
+        try:
+            self._lookout.close()  # the sink's buffered scalars out
+        except Exception as exc:
+            self.fail(exc)
         self.cur = StepState()  # no reference to the user's inputs (or targets) after the block
         self.targets = None
         self.active = False
@@ -285,7 +296,8 @@ class Watch:
 
     # -- the step boundary ----------------------------------------------------------------------------------
     def _sampled(self, step: int) -> bool:
-        return self.stats_every > 0 and (step % self.stats_every == 0 or step <= self._dense_until)
+        dense = step <= self._dense_until or step <= self._lookout.dense_until
+        return self.stats_every > 0 and (step % self.stats_every == 0 or dense)
 
     def _drop_step(self) -> None:
         """Forget the current step (its ``update`` raised, or it was read): its hooks go, a new step starts."""
@@ -308,6 +320,7 @@ class Watch:
             plan = self._failures.plan(record, list(cur.micro))
             if self._failures.runs.last_jump == step:
                 self._dense_until = step + DENSE_STEPS_AFTER_JUMP
+            self._look(cur, record, sampled)
         except Exception as exc:
             self.fail(exc)
         try:
@@ -322,6 +335,15 @@ class Watch:
                 self.hooks.sample(self.active and self._sampled(self._step))
             except Exception as exc:
                 self.fail(exc)
+
+    def _look(self, cur: StepState, record: StepRecord, sampled: bool) -> None:
+        """The forecast, dense sampling, the tracked modules and ``log_to`` (:mod:`.lookout`)."""
+        underflow = cur.collector.underflow_share(cur.numbers) if sampled else None
+        tracked = self._lookout.after_step(
+            record.step, sampled, cur.pairs, self.low, record.new_scale, record.skipped, underflow
+        )
+        if tracked is not None and self.hooks.compiled is None:
+            self.hooks.track(tracked)
 
     def _read(
         self, cur: StepState, step: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor]
@@ -343,25 +365,7 @@ class Watch:
 
     def _weight_norms(self) -> Extra:
         """Each module's own parameters' L2 norm (this rank's shard of a sharded parameter), as one block."""
-        if self._owned is None:  # (module name, parameter) once: the model's structure does not change
-            seen: set[int] = set()
-            self._owned = []
-            for name, module in self.root.named_modules():
-                for p in module.parameters(recurse=False):
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        self._owned.append((name, p))
-        owners = [name for name, _ in self._owned]
-        norms = torch._foreach_norm([sharded.local(p).detach() for _, p in self._owned]) if owners else []
-        block = torch.stack(list(norms)).float() if norms else torch.zeros(0)
-
-        def decode(numbers: list[float]) -> Decoded:
-            squares: dict[str, float] = {}
-            for owner, value in zip(owners, numbers):
-                squares[owner] = squares.get(owner, 0.0) + value * value
-            return Decoded(weight_norm={k: v**0.5 for k, v in squares.items()})
-
-        return Extra(block, decode)
+        return self._norms.block()
 
     def _act(self, plan: Optional[Plan], micro: list[Any], bad_micro: list[bool]) -> Optional[StepRecord]:
         """Run what the step's plan calls for (captures, the bundle), quietly: every watch ignores those passes.
@@ -414,6 +418,7 @@ class Watch:
             stats_every=self.stats_every,
             scale=self._steps[-1].new_scale if self._steps else None,
             total_steps=self._step,
+            forecasts=tuple(self._lookout.texts),
         )
 
     def _note(self, text: str) -> None:
@@ -438,6 +443,9 @@ def watch(
     bundle_dir: Optional[PathLike] = None,
     save_bundle: bool = True,
     max_output_grad_bytes: int = MAX_KEPT_OUTPUT_GRAD_BYTES,
+    log_to: Any = None,
+    warn_headroom_bits: float = WARN_HEADROOM_BITS,
+    forecast_horizon: int = FORECAST_HORIZON,
 ) -> Watch:
     """Watch an unchanged autocast + GradScaler training loop; returns a started :class:`Watch`.
 
@@ -468,14 +476,20 @@ def watch(
         save_bundle: write a failure bundle on the first persistent failure.
         max_output_grad_bytes: the output gradients kept per step for a capture (default 256 MiB); a larger
             one is not kept, and a capture says so.
+        log_to: scalars (loss scale, skips, headroom, underflow share) and forecasts, every step, to a
+            SummaryWriter, a W&B run, an Accelerator, a Lightning logger or a callable ``(tag, value, step)``.
+        warn_headroom_bits, forecast_horizon: the overflow forecast warns about an output under this headroom
+            (bits) forecast to overflow within this many steps (:mod:`.forecast`).
 
     Each step reads its statistics back from the device once, in ``scaler.update``. A persistent failure, a
-    divergence and a written bundle each log one WARNING line on the ``ampdoctor`` logger. Use it as a context
-    manager (or call ``close()``): the hooks and the scaler's taps go away on exit, also after an exception.
+    divergence, a written bundle and an overflow forecast each log one WARNING line on the ``ampdoctor`` logger.
+    Use it as a context manager (or call ``close()``): the hooks and the scaler's taps go away on exit, also after
+    an exception.
     ``report()`` works inside and after the block.
     """
     return Watch(
         model, scaler, loss_fn=loss_fn, dtype=dtype, stats_every=stats_every, history=history,
         max_captures=max_captures, bundle_dir=bundle_dir, save_bundle=save_bundle,
-        max_output_grad_bytes=max_output_grad_bytes,
+        max_output_grad_bytes=max_output_grad_bytes, log_to=log_to, warn_headroom_bits=warn_headroom_bits,
+        forecast_horizon=forecast_horizon,
     ).start()
