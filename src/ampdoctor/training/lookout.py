@@ -22,7 +22,6 @@ import torch
 
 from ..capture.dtypes import dtype_name
 from ..capture.stats import format_limits
-from ..errors import AmpDoctorError
 from .forecast import Forecast, Forecaster
 from .readback import Pair, bad_pair
 from .sinks import PREFIX, Sink, Value, make_sink
@@ -52,10 +51,6 @@ class Lookout:
     """One watch's forecaster, dense-sampling window, tracked modules and sink."""
 
     def __init__(self, warn_bits: float, horizon: float, log_to: Any, rank: int, world_size: int) -> None:
-        if not warn_bits > 0 or not horizon >= 1:
-            raise AmpDoctorError(
-                f"warn_headroom_bits must be > 0 and forecast_horizon >= 1 (steps), got {warn_bits} and {horizon}"
-            )
         self.warn_bits = float(warn_bits)
         self.horizon = float(horizon)
         self.sink: Optional[Sink] = make_sink(log_to) if log_to is not None else None

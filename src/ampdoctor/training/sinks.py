@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Union
 
+from ..capture.options import refuse
 from ..errors import AmpDoctorError
 
 PREFIX = "ampdoctor/"
@@ -124,6 +125,15 @@ def _writer(directory: Union[str, os.PathLike[str]]) -> Any:
     return SummaryWriter(log_dir=str(directory))
 
 
+def accepts(target: Any) -> bool:
+    """``target`` is something :func:`make_sink` takes without creating anything (a directory is checked there)."""
+    if isinstance(target, (list, tuple)):
+        return all(accepts(t) for t in target)
+    return isinstance(target, (Sink, str, Path)) or callable(target) or any(
+        callable(getattr(target, name, None)) for name in ("add_scalar", "log", "log_metrics")
+    )
+
+
 def make_sink(target: Any) -> Sink:
     """The sink for ``log_to`` (see the module docstring); AmpDoctorError for anything else."""
     if isinstance(target, Sink):
@@ -145,7 +155,7 @@ def make_sink(target: Any) -> Sink:
         return DictSink(lambda values, step: target.log(dict(values)), texts=False)
     if callable(target):
         return CallableSink(target)
-    raise AmpDoctorError(
-        f"log_to must be a torch.utils.tensorboard.SummaryWriter, a W&B run, an Accelerator, a Lightning logger, a "
-        f"directory or a callable (tag, value, step); got {type(target).__name__}"
+    raise refuse(
+        "log_to", target, "a torch.utils.tensorboard.SummaryWriter, a W&B run, an Accelerator, a Lightning logger, "
+        "a directory or a callable (tag, value, step)"
     )
