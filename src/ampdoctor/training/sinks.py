@@ -101,6 +101,26 @@ class DictSink(Sink):
             self.fn(kept, step=step)
 
 
+class Latest(Sink):
+    """Keeps the latest value of each scalar and the texts not yet taken: a framework adapter hands them to the
+    trainer's own loggers at the trainer's own logging cadence (:mod:`ampdoctor.integrations`)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+        self.texts: list[tuple[str, str, int]] = []  # (tag, text, step)
+
+    def log(self, step: int, values: Mapping[str, Value]) -> None:
+        for tag, value in values.items():
+            if isinstance(value, str):
+                self.texts.append((tag, value, step))
+            else:
+                self.values[tag] = value
+
+    def take_texts(self) -> list[tuple[str, str, int]]:
+        texts, self.texts = self.texts, []
+        return texts
+
+
 class ManySinks(Sink):
     def __init__(self, sinks: list[Sink]) -> None:
         self.sinks = sinks
