@@ -191,3 +191,108 @@ def test_a_wandb_run_offline_holds_the_scalars(tmp_path: Path, monkeypatch: pyte
             if tag.startswith("ampdoctor/") and tag != "ampdoctor/step":
                 got.setdefault(tag, {})[step] = value
     check_scalars(got, [float(s) for s in scales], doctor)
+
+
+# -- the frameworks' own loggers ------------------------------------------------------------------------------------
+
+
+def event_dirs(root: Path) -> list[Path]:
+    return sorted({Path(p).parent for p in glob.glob(str(root / "**" / "events.out.tfevents.*"), recursive=True)})
+
+
+@pytest.mark.slow
+def test_lightning_logs_into_the_trainers_tensorboard_logger(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from test_integrations_lightning import BATCHES, boom_net, data
+
+    from ampdoctor.integrations import lightning_callback
+
+    callback = lightning_callback(save_bundle=False)
+    logger = TensorBoardLogger(save_dir=str(tmp_path), name="tb")
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, callbacks=[callback], logger=logger, log_every_n_steps=2,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), plugins=[MixedPrecision("16-mixed", "cpu")],
+    )
+    loader = data(torch.full((4, 4), 1.0))  # a healthy run: boom's output up to 4 x 1.5 x 5000, no overflow
+    trainer.fit(boom_net(), loader)
+    (directory,) = event_dirs(tmp_path)
+    got = read_tensorboard(directory)
+    assert got["ampdoctor/loss_scale"] == {s: 65536.0 for s in range(2, BATCHES + 1, 2)}  # log_every_n_steps=2
+    assert got["ampdoctor/skipped_steps"] == {s: 0.0 for s in range(2, BATCHES + 1, 2)}
+    (x,) = list(loader)[1]  # global step 2 logs what batch 1 measured: boom's output is 5000 x the row sums
+    boom_bits = math.log2(FP16_MAX / float(x.sum(1).max() * 5000))
+    assert got["ampdoctor/headroom_bits/net.boom"][2] == pytest.approx(boom_bits, abs=1e-3)
+    assert got["ampdoctor/headroom_bits_min"][2] == pytest.approx(boom_bits, abs=1e-3)
+
+
+class Healthy(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.full((4,), 1.0 + i / 24), "labels": torch.tensor(1.0)}
+
+
+@pytest.mark.slow
+def test_hf_trainer_logs_into_its_report_to_integrations(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    transformers = pytest.importorskip("transformers")
+    from test_integrations_hf import LogRegressor
+
+    from ampdoctor.integrations import hf_callback
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=True, per_device_train_batch_size=4,
+        num_train_epochs=1, learning_rate=0.0, report_to=["tensorboard"],
+        logging_strategy="steps", logging_steps=2, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=LogRegressor(), args=args, train_dataset=Healthy())
+    callback = hf_callback(trainer, save_bundle=False)
+    trainer.train()
+    assert callback.report is not None and callback.report.verdict == "healthy"
+    got: dict[str, dict[int, Any]] = {}
+    for directory in event_dirs(tmp_path):
+        got.update(read_tensorboard(directory))
+    # the Trainer's own TensorBoard callback wrote them, with its own logs ("train/loss", its prefix), every
+    # logging_steps
+    assert got["train/ampdoctor/loss_scale"] == {2: 1.0, 4: 1.0, 6: 1.0}  # bfloat16: no scaler
+    assert got["train/ampdoctor/skipped_steps"] == {2: 0.0, 4: 0.0, 6: 0.0}
+    assert set(got["train/ampdoctor/headroom_bits_min"]) == {2, 4, 6} and "train/loss" in got
+    assert 120 < got["train/ampdoctor/headroom_bits_min"][2] < 140  # bfloat16: a max of 2**128, outputs near 1
+
+
+@pytest.mark.slow
+def test_accelerate_logs_through_accelerator_log(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(mixed_precision="bf16", cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+        accelerator.init_trackers("run")
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.0))
+        with ampdoctor.watch(model, accelerator.scaler, log_to=accelerator, save_bundle=False) as doctor:
+            for step in range(4):
+                opt.zero_grad()
+                loss = model(torch.full((2, 4), 1.0 + step)).float().pow(2).mean()
+                doctor.see_loss(loss)
+                accelerator.backward(loss)
+                doctor.step()
+                opt.step()
+        accelerator.end_training()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    got: dict[str, dict[int, Any]] = {}
+    for directory in event_dirs(tmp_path):
+        got.update(read_tensorboard(directory))
+    assert got["ampdoctor/loss_scale"] == {s: 1.0 for s in range(4)}
+    assert set(got["ampdoctor/headroom_bits_min"]) == set(range(4))
