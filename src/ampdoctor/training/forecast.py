@@ -102,19 +102,28 @@ def headroom(value: float, format_max: float) -> Optional[float]:
 
 def fit(points: Iterable[tuple[int, float]]) -> Optional[Fit]:
     """The line through (step, headroom bits) points; None with fewer than MIN_POINTS or a single step."""
-    pts = list(points)
+    pts = points if isinstance(points, list) else list(points)
     n = len(pts)
     if n < MIN_POINTS:
         return None
-    mx = sum(p[0] for p in pts) / n
-    my = sum(p[1] for p in pts) / n
-    sxx = sum((p[0] - mx) ** 2 for p in pts)
-    if sxx <= 0:
+    sx = sy = sxx = sxy = syy = 0.0
+    x0 = pts[-1][0]  # steps relative to the last one: no cancellation at large step numbers
+    for step, y in pts:
+        x = step - x0
+        sx += x
+        sy += y
+        sxx += x * x
+        sxy += x * y
+        syy += y * y
+    vxx = sxx - sx * sx / n  # sums of squares about the means
+    if vxx <= 0:
         return None
-    slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
-    residual = sum((p[1] - (my + slope * (p[0] - mx))) ** 2 for p in pts)
+    vxy = sxy - sx * sy / n
+    vyy = syy - sy * sy / n
+    slope = vxy / vxx
+    residual = max(vyy - slope * vxy, 0.0)
     noise = max(math.sqrt(residual / (n - 2)), NOISE_FLOOR_BITS)
-    return Fit(pts[-1][1], -slope, -slope / (noise / math.sqrt(sxx)), n)
+    return Fit(pts[-1][1], -slope, -slope / (noise / math.sqrt(vxx)), n)
 
 
 class Forecaster:
@@ -169,7 +178,12 @@ class Forecaster:
         self.checked = checked
         risky: list[Forecast] = []
         for module in checked:
-            f = fit(p for p in self.series[module] if p[0] >= step - MAX_SPAN_STEPS)
+            series = self.series[module]
+            if series[-1][1] >= self.warn_bits + DENSE_MARGIN_BITS:  # far from the limit: no gate could pass
+                f = None
+            else:
+                oldest = step - MAX_SPAN_STEPS
+                f = fit(list(series) if series[0][0] >= oldest else [p for p in series if p[0] >= oldest])
             if f is None:
                 self.fits.pop(module, None)
                 self.at_risk[module] = 0
