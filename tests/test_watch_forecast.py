@@ -8,6 +8,7 @@ import math
 import random
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,3 +185,15 @@ def test_the_scalers_first_back_off_is_quiet_and_cheap(caplog: pytest.LogCapture
         assert step.skipped and not step.captured
     assert [r.getMessage() for r in caplog.records if r.name == "ampdoctor"] == []
     assert min(watched) < 1.2 * min(plain), (watched, plain)
+
+
+def test_a_capture_that_does_run_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A skip after a good step is no first back-off: its capture runs, and an INFO line says so first."""
+    from test_watch_replay import readme_loop
+
+    caplog.set_level(logging.INFO, logger="ampdoctor")
+    report = readme_loop(tmp_path, loss_fn=None, steps=3, scaler_kwargs={"init_scale": 32.0, "growth_interval": 1})
+    steps = report.report().steps
+    assert [s.skipped for s in steps] == [False, False, True] and steps[2].captured
+    info = [r.getMessage() for r in caplog.records if r.name == "ampdoctor" and r.levelno == logging.INFO]
+    assert info == ["ampdoctor: step 2: diagnosing the first skip of a run (a capture: a few seconds)"]

@@ -130,7 +130,7 @@ def _replay(replayer: StepReplayer, m: MicroBatch, scale: float, step: int, loss
                      "current contents")
     report = with_rng(m.rng, lambda: diagnose(
         replayer.root, batch, loss_fn=loss, dtype=replayer.low, device_type=replayer.device_type,
-        scale=max(scale, MIN_REPLAY_SCALE), backward=backward, progress=False,  # inside training: silent
+        scale=max(scale, MIN_REPLAY_SCALE), backward=backward, progress=None,  # a line on a terminal only
     ))
     if bad_grad is not None:
         report = loss_gradient_origin(
