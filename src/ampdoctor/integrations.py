@@ -215,6 +215,7 @@ def hf_callback(trainer: Any = None, *, scaler: Any = None, log: bool = True, **
     callback = AmpDoctorTrainerCallback()
     if trainer is not None:
         trainer.add_callback(callback)
-        callbacks = trainer.callback_handler.callbacks  # first: on_log adds to the logs the integrations write
-        callbacks.insert(0, callbacks.pop(callbacks.index(callback)))
+        callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", None)
+        if isinstance(callbacks, list) and callback in callbacks:  # first: on_log adds to the logs they write
+            callbacks.insert(0, callbacks.pop(callbacks.index(callback)))
     return callback

@@ -45,6 +45,7 @@ class WatchHooks:
         self.compiled: Optional[CompiledStats] = None
         self.open = False  # a watched root forward is running
         self.grads_on = False  # this step is sampled: gradient hooks on module outputs
+        self.all_modules = False  # every module's outputs are measured this step (sampled, or a dense window)
         self.probes: list[Any] = []  # one-shot hooks that look for autocast inside the first forward
         self.probed = False
         self.tracked: list[str] = []  # modules hooked on unsampled steps (the forecast's watchlist)
@@ -58,14 +59,17 @@ class WatchHooks:
         if is_compiled(w.model, w.root):
             self.compiled = CompiledStats(w.root, w.names)
 
-    def sample(self, on: bool) -> None:
+    def sample(self, on: bool, outputs: bool = False) -> None:
         """Module statistics for the next step: eager hooks installed only for it (an unsampled step runs the
-        model's fast path); a compiled model's hooks stay, switched by their flag at each root forward."""
+        model's fast path); a compiled model's hooks stay, switched by their flag at each root forward.
+        ``outputs``: every module's outputs without their gradients (the forecast's dense window, eager only)."""
         self.grads_on = on
+        self.all_modules = on or (outputs and self.compiled is None)
         if self.compiled is not None:
             if on:
                 self.compiled.reset()
             return
+        on = self.all_modules
         if on and not self.module_handles:
             self.remove_tracked()
             for module in self.w.root.modules():

@@ -5,7 +5,8 @@ when to sample densely, which modules to track every step, and the scalars for `
   tightest of the last sampled step, hooked on unsampled steps too) feed the :class:`~.forecast.Forecaster`;
   sampled steps feed every module.
 * **Dense sampling**: when one of them trends upward significantly (:meth:`~.forecast.Forecaster.trending`), the
-  next ``DENSE_STEPS_ON_TREND`` steps are sampled (every module's statistics), so a fast drift is seen by every
+  next ``DENSE_STEPS_ON_TREND`` steps measure every module's outputs (not their gradients: the forecast needs only
+  the forward; those steps count as sampled, with no gradient statistics), so a fast drift is seen by every
   module, not by one sample in fifty.
 * **The warning**: one WARNING line on the ``ampdoctor`` logger naming the module, its headroom in bits, the rate
   in bits per step and the steps left; the report carries it (``findings.warnings``); it repeats only when the

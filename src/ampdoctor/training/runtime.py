@@ -13,7 +13,8 @@ scaler's methods), ``quiet`` (ampdoctor's own passes are never training), ``read
 read-back into a record), ``runs`` and ``divergence`` (harmless / persistent / diverged runs, pure),
 ``failures`` (captures, the bundle and the log line for each finished step), ``replay_step`` (a capture:
 ``diagnose`` of the failing forward), ``compiled`` (torch.compile), ``sharded`` (FSDP), ``bundle`` and ``replay``
-(failure bundles), ``compose`` (per-rank payloads -> Report).
+(failure bundles), ``compose`` (per-rank payloads -> Report), ``lookout`` (after each step: the headroom forecast
+of ``forecast``, dense sampling, the tracked modules, ``log_to`` through ``sinks``).
 
 * **Step boundaries** come from ``scaler.update`` (``doctor.step()`` without a scaler); ``scaler.scale`` shows
   the loss. Both are wrapped by shared taps (put back on exit, in any order, also after an exception).
@@ -180,7 +181,7 @@ class Watch:
             self.hooks.install()
             if self.scaler is not None:
                 self._taps = [join(self.scaler, "scale", self), join(self.scaler, "update", self)]
-            self.hooks.sample(self._sampled(self._step))
+            self.hooks.sample(self._sampled(self._step), self._step <= self._lookout.dense_until)
         except BaseException:
             self.close()
             raise
@@ -297,8 +298,7 @@ class Watch:
 
     # -- the step boundary ----------------------------------------------------------------------------------
     def _sampled(self, step: int) -> bool:
-        dense = step <= self._dense_until or step <= self._lookout.dense_until
-        return self.stats_every > 0 and (step % self.stats_every == 0 or dense)
+        return self.stats_every > 0 and (step % self.stats_every == 0 or step <= self._dense_until)
 
     def _drop_step(self) -> None:
         """Forget the current step (its ``update`` raised, or it was read): its hooks go, a new step starts."""
@@ -309,7 +309,7 @@ class Watch:
     def _end_step(self, before: Any, after: Any, found: list[torch.Tensor]) -> None:
         """One read-back, then the step's record, run bookkeeping, captures and the bundle. Never raises."""
         step, cur = self._step, self.cur
-        sampled = self.hooks.grads_on
+        sampled = self.hooks.all_modules  # with gradients, or only outputs (the forecast's dense window)
         if cur.dropped_micro:
             self._note(f"step {step}: {cur.dropped_micro} early forward(s) of {cur.forwards} not kept for a replay "
                        f"(at most {MAX_MICRO_BATCHES} per step)")
@@ -333,7 +333,8 @@ class Watch:
         finally:
             self._step += 1
             try:
-                self.hooks.sample(self.active and self._sampled(self._step))
+                dense = self.stats_every > 0 and self._step <= self._lookout.dense_until  # outputs only
+                self.hooks.sample(self.active and self._sampled(self._step), self.active and dense)
             except Exception as exc:
                 self.fail(exc)
 
