@@ -223,9 +223,11 @@ def test_occasional_harmless_scale_overflows(tmp_path: Path) -> None:
     assert report.findings.scale is not None and report.findings.scale.largest_finite_scale == 16384.0
     assert report.exit_code == 0  # harmless: what GradScaler exists for
     assert doctor.bundle_path is None and not list(tmp_path.iterdir())
-    assert steps[0].captured and steps[5].captured  # the first skip of every run is captured
-    assert steps[1].explained_by == 0
-    assert steps[0].nonfinite_params == ("0.weight",)
+    # the scaler's first back-off (steps 0-1, before any good step) is expected: not captured; every later run's
+    # first skip is
+    assert not steps[0].captured and steps[5].captured and steps[9].captured
+    assert steps[1].explained_by is None
+    assert steps[5].nonfinite_params == ("0.weight",)
     assert steps[0].nonfinite_grads == ("0", "")  # sampled: the output gradient (of the layer, = the root)
     assert steps[2].grad_abs_max["0"] == 2.0  # unscaled: 2 * 16384 / 16384
     assert "4 skipped in 3 run(s) of skipped steps: 3 harmless, 0 persistent" in str(report)
@@ -391,7 +393,8 @@ def test_an_instance_attribute_on_the_scaler_is_put_back() -> None:
 
 def test_accumulation_unscale_clip_and_two_optimizers() -> None:
     model = nn.Sequential(constant_linear(16, 8, 1 / 16), constant_linear(8, 4, 1 / 8))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17)  # the first step's gradients overflow
+    # good at 2**16, then grown to 2**17 where the gradients overflow (a run after a good step: captured)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
     opt_a = torch.optim.SGD(model[0].parameters(), lr=0.0)
     opt_b = torch.optim.SGD(model[1].parameters(), lr=0.0)
     x = torch.ones(1, 16)
@@ -413,10 +416,10 @@ def test_accumulation_unscale_clip_and_two_optimizers() -> None:
     assert len(steps) == 4 and all(s.micro_batches == 3 for s in steps)
     # out = 1 per unit, loss per micro-batch 4/3; d loss / d out = 2/3 per unit, times the scale in float16
     # (and so is the last weight's gradient, one row of h = 1): 2**17 * 2/3 = 87381 -> inf; 2**16 * 2/3 = 43690
-    assert [s.skipped for s in steps] == [True, False, False, False]
-    assert [s.scale for s in steps] == [2.0**17, 2.0**16, 2.0**16, 2.0**16]
-    assert steps[0].loss == pytest.approx(4 / 3)
-    assert steps[0].captured and steps[0].backward_origin is not None
+    assert [s.skipped for s in steps] == [False, True, False, True]
+    assert [s.scale for s in steps] == [2.0**16, 2.0**17, 2.0**16, 2.0**17]
+    assert steps[1].loss == pytest.approx(4 / 3)
+    assert steps[1].captured and steps[1].backward_origin is not None
     assert steps[2].sampled and steps[2].grad_abs_max["1"] == pytest.approx(2 / 3, rel=1e-3)
     assert_no_watch_left(model, scaler)
 
@@ -475,12 +478,12 @@ def test_without_loss_fn_the_gradient_reaching_the_output_is_replayed() -> None:
     Here that gradient (2 * 32768 = 65536 in float16) is already inf: the origin is the loss, outside the model.
     """
     model = square_model()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=1)  # good, then grown: overflows
     with ampdoctor.watch(model, scaler) as doctor:
-        square_steps(model, scaler, 2)
+        square_steps(model, scaler, 3)
     report = doctor.report()
-    assert [s.skipped for s in report.steps] == [True, False]
-    assert report.steps[0].backward_origin == "<loss>"
+    assert [s.skipped for s in report.steps] == [False, True, False]
+    assert report.steps[1].backward_origin == "<loss>"
     assert report.backward_origin is not None and report.backward_origin.tensor == "grad:out"
     assert "already non-finite at scale 32768" in str(report)
 

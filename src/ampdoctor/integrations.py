@@ -19,7 +19,15 @@ Hugging Face ``Trainer``::
     trainer.train()
     doctor_cb.report  # the Report, once training ended
 
-Accelerate needs no adapter: ``ampdoctor.watch(model, accelerator.scaler)`` around the loop (see the README).
+Accelerate needs no adapter: ``ampdoctor.watch(model, accelerator.scaler, log_to=accelerator)`` around the loop
+(see the README); ``log_to=accelerator`` logs through ``accelerator.log`` into every tracker it was given.
+
+**Logging.** Both adapters log the watch's scalars (``ampdoctor/loss_scale``, ``ampdoctor/skipped_steps``,
+``ampdoctor/headroom_bits_min``, ``ampdoctor/headroom_bits/<module>``, ``ampdoctor/underflow_share``) into the
+trainer's own loggers at the trainer's own cadence: Lightning's ``trainer.loggers`` every ``log_every_n_steps``;
+the Hugging Face ``Trainer``'s ``report_to`` integrations with its own logs (every ``logging_steps``). Forecasts
+go to the loggers that take text (TensorBoard) and, as always, to the ``ampdoctor`` logger. ``log=False`` turns
+this off; ``log_to=...`` sends them elsewhere instead.
 
 Both adapters find the framework's ``GradScaler`` (``scaler.update`` then closes each step). Without one
 (bfloat16, or float16 on a CPU where the framework turns AMP to bfloat16) they hand the watch each step's loss
@@ -33,12 +41,17 @@ from typing import Any, Optional
 
 from .errors import AmpDoctorError
 from .report import Report
+from .training.sinks import Latest
 
 
 class _WatchAdapter:
     """What both adapters share: start a watch on the framework's model and scaler, close it, keep the report."""
 
-    def _setup(self, watch_kwargs: dict[str, Any]) -> None:
+    def _setup(self, watch_kwargs: dict[str, Any], log: bool) -> None:
+        self.latest: Optional[Latest] = None
+        if log and watch_kwargs.get("log_to") is None:
+            self.latest = Latest()
+            watch_kwargs = {**watch_kwargs, "log_to": self.latest}
         self.watch_kwargs = watch_kwargs
         self.doctor: Any = None
         self.report: Optional[Report] = None
@@ -98,8 +111,18 @@ def _lightning_scaler(trainer: Any) -> Any:
     return None
 
 
-def lightning_callback(module: Optional[str] = None, **watch_kwargs: Any) -> Any:
+def _add_texts(writer: Any, texts: list[tuple[str, str, int]]) -> None:
+    """Forecasts to a logger that takes text (a TensorBoard ``SummaryWriter``)."""
+    if writer is not None and callable(getattr(writer, "add_text", None)):
+        for tag, text, step in texts:
+            writer.add_text(tag, text, step)
+
+
+def lightning_callback(module: Optional[str] = None, *, log: bool = True, **watch_kwargs: Any) -> Any:
     """A Lightning ``Callback`` that watches ``trainer.fit`` (keyword arguments go to ``ampdoctor.watch``).
+
+    ``log``: the watch's scalars go to ``trainer.loggers`` every ``log_every_n_steps`` (forecasts as text to a
+    TensorBoard logger).
 
     ``module``: the submodule to watch (``"net"`` for ``pl_module.net``) when ``training_step`` calls it rather
     than ``self(...)``: captures replay the watched module's forward. After fitting (or an exception),
@@ -110,7 +133,7 @@ def lightning_callback(module: Optional[str] = None, **watch_kwargs: Any) -> Any
     class AmpDoctorCallback(base, _WatchAdapter):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
             super().__init__()
-            self._setup(watch_kwargs)
+            self._setup(watch_kwargs, log)
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             watched = pl_module.get_submodule(module) if module else pl_module
@@ -122,6 +145,17 @@ def lightning_callback(module: Optional[str] = None, **watch_kwargs: Any) -> Any
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             self._step()  # after the (accumulated) backward, before optimizer.step
 
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            latest = self.latest
+            if latest is None or not latest.values or not trainer.loggers:
+                return
+            if trainer.global_step % max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1)):
+                return
+            texts = latest.take_texts()
+            for logger in trainer.loggers:
+                logger.log_metrics(dict(latest.values), step=trainer.global_step)
+                _add_texts(getattr(logger, "experiment", None), texts)
+
         def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
             self._stop()
 
@@ -131,8 +165,12 @@ def lightning_callback(module: Optional[str] = None, **watch_kwargs: Any) -> Any
     return AmpDoctorCallback()
 
 
-def hf_callback(trainer: Any = None, *, scaler: Any = None, **watch_kwargs: Any) -> Any:
+def hf_callback(trainer: Any = None, *, scaler: Any = None, log: bool = True, **watch_kwargs: Any) -> Any:
     """A Hugging Face ``TrainerCallback`` that watches ``trainer.train()``; added to ``trainer`` when given.
+
+    ``log``: the watch's latest scalars join the Trainer's own logs (every ``logging_steps``, to every ``report_to``
+    integration; forecasts as text to TensorBoard's writer). Given ``trainer``, the callback goes first in its list
+    so that the integrations see them; added by hand, add it before them.
 
     The scaler is ``scaler`` or the trainer's ``accelerator.scaler``. Without one, steps close at
     ``on_pre_optimizer_step`` (after the backward and gradient clipping, before the optimizer), and the loss comes
@@ -146,7 +184,17 @@ def hf_callback(trainer: Any = None, *, scaler: Any = None, **watch_kwargs: Any)
     class AmpDoctorTrainerCallback(TrainerCallback, _WatchAdapter):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
-            self._setup(watch_kwargs)
+            self._setup(watch_kwargs, log)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            latest = self.latest
+            if latest is None or logs is None or not latest.values:
+                return
+            logs.update(latest.values)  # the same dict every callback after this one logs
+            texts = latest.take_texts()
+            handler = getattr(trainer, "callback_handler", None)
+            for cb in getattr(handler, "callbacks", []):
+                _add_texts(getattr(cb, "tb_writer", None), texts)
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             found = scaler
@@ -167,4 +215,7 @@ def hf_callback(trainer: Any = None, *, scaler: Any = None, **watch_kwargs: Any)
     callback = AmpDoctorTrainerCallback()
     if trainer is not None:
         trainer.add_callback(callback)
+        callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", None)
+        if isinstance(callbacks, list) and callback in callbacks:  # first: on_log adds to the logs they write
+            callbacks.insert(0, callbacks.pop(callbacks.index(callback)))
     return callback

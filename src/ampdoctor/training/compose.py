@@ -23,7 +23,7 @@ from ..report import Report
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 from .divergence import summary as divergence_summary
 from .replay_step import Capture
-from .runs import HARMLESS, OPEN, PERSISTENT, Run, annotate, merged_runs, scale_from_runs
+from .runs import HARMLESS, OPEN, PERSISTENT, Run, annotate, is_bad, merged_runs, scale_from_runs
 
 # Headroom trend: warn when a layer's output headroom is under HEADROOM_TIGHT_BITS and fell at least this much
 # across at least TREND_MIN_SAMPLES sampled steps.
@@ -53,6 +53,7 @@ class RankPayload:
     stats_every: int
     scale: Optional[float]  # after the last step
     total_steps: int  # steps seen, kept or not
+    forecasts: tuple[str, ...] = ()  # the overflow forecasts the watch warned about (:mod:`.lookout`)
 
 
 def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
@@ -63,7 +64,8 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
     merged = len(payloads) > 1
     own = next((p for p in payloads if p.rank == me), payloads[0])
     runs = [r for p in payloads for r in p.runs]
-    steps = annotate(sorted((s for p in payloads for s in p.steps), key=lambda s: (s.step, s.rank)), runs)
+    own_steps = (s for p in payloads for s in explained_later(p.steps, p.runs))
+    steps = annotate(sorted(own_steps, key=lambda s: (s.step, s.rank)), runs)
     first_local = _first_local(payloads)
     base, failure_rank = _base_capture(payloads, runs, first_local)
     warnings: list[str] = []
@@ -72,7 +74,9 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
     if diverged is not None:
         warnings.insert(0, divergence_summary(diverged))
     findings = dataclasses.replace(
-        findings, warnings=(*findings.warnings, *warnings, *trend_warnings(steps, own.dtype)), divergence=diverged
+        findings,
+        warnings=(*findings.warnings, *warnings, *_forecasts(payloads, merged), *trend_warnings(steps, own.dtype)),
+        divergence=diverged,
     )
     notes = _summary(own, steps, runs)
     if merged:
@@ -106,6 +110,28 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
         scale=scale, detailed=False, calls=(), grad_events=(), batch=(), output=(), loss=None, backward_ran=False
     )
     return Report(run_info, own.modules, trace, findings, (), steps=tuple(steps))
+
+
+def explained_later(steps: Sequence[StepRecord], runs: Sequence[Run]) -> list[StepRecord]:
+    """Bad steps before their run's capture (the scaler's first back-off is captured only once it turns
+    persistent) are explained by that capture, like the skips after it."""
+    captured = {s.step: s for s in steps if s.captured}
+    out = []
+    for s in steps:
+        run = next((r for r in runs if r.start <= s.step and (r.end is None or s.step <= r.end)), None)
+        source = captured.get(run.capture_step) if run is not None and run.capture_step is not None else None
+        if source is not None and is_bad(s) and not s.captured and s.explained_by is None and s.step < source.step:
+            s = dataclasses.replace(
+                s, forward_origin=source.forward_origin, backward_origin=source.backward_origin,
+                nonfinite_params=source.nonfinite_params, explained_by=source.step,
+            )
+        out.append(s)
+    return out
+
+
+def _forecasts(payloads: Sequence[RankPayload], merged: bool) -> list[str]:
+    """Each rank's forecast warnings (prefixed with the rank when merged)."""
+    return [f"rank {p.rank}: {t}" if merged else t for p in payloads for t in p.forecasts]
 
 
 def _first_local(payloads: Sequence[RankPayload]) -> Optional[tuple[int, int]]:
@@ -262,7 +288,7 @@ def trends(steps: Sequence[StepRecord], format_max: float) -> dict[str, list[tup
         series = []
         for step in sorted(per_step):
             value = per_step[step]
-            bits = math.log2(format_max / value) if value > 0 else math.inf
+            bits = math.log2(format_max / value) if 0 < value < math.inf else math.inf  # an all -inf mask
             if math.isfinite(bits):
                 series.append((step, bits))
         if series:

@@ -101,6 +101,8 @@ class FailureTracker:
         captured: Optional[Capture] = None
         if plan.capture and kind is not None and replayer is not None:
             self.used[kind] += 1
+            why = "the first skip of a run" if kind == "run_start" else "a persistent failure"
+            log.info("%sampdoctor: step %d: diagnosing %s (a capture: a few seconds)", self._prefix(), record.step, why)
             captured = capture(replayer, micro, bad_micro, record.step, record.scale, self.note)
             if captured is not None:
                 self.captures.append(captured)
@@ -166,6 +168,8 @@ class FailureTracker:
             text += f"; captured: {captured.report.verdict.upper()}{where}"
         self._say(f"step {record.step}: {text} (see doctor.report())")
 
+    def _prefix(self) -> str:
+        return f"[rank {self.rank}] " if self.world_size > 1 else ""
+
     def _say(self, text: str) -> None:
-        prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
-        log.warning("%sampdoctor: %s", prefix, text)
+        log.warning("%sampdoctor: %s", self._prefix(), text)

@@ -7,6 +7,8 @@
 * **Modules** (sampled steps): forward hooks on every module and gradient hooks on what they return (on a view's
   base, never a module-level backward hook), installed only for those steps. A compiled model gets
   :class:`~.compiled.CompiledStats` instead: hooks registered once, gated by a flag.
+* **Tracked modules** (unsampled steps): forward hooks on the few tightest modules only (the forecast's
+  watchlist, :mod:`.lookout`), so their headroom trend is seen every step at the cost of a few reductions.
 * **Never ampdoctor's own passes** (:mod:`.quiet`): a forward of a capture or of a user's ``diagnose`` is not a
   training forward; neither is an evaluation forward (no grad).
 """
@@ -43,8 +45,12 @@ class WatchHooks:
         self.compiled: Optional[CompiledStats] = None
         self.open = False  # a watched root forward is running
         self.grads_on = False  # this step is sampled: gradient hooks on module outputs
+        self.all_modules = False  # every module's outputs are measured this step (sampled, or a dense window)
         self.probes: list[Any] = []  # one-shot hooks that look for autocast inside the first forward
         self.probed = False
+        self.tracked: list[str] = []  # modules hooked on unsampled steps (the forecast's watchlist)
+        self.tracked_handles: list[Any] = []
+        self.count_underflow = False  # sampled steps: count small gradient values too (a sink wants the share)
 
     # -- installing -----------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -53,20 +59,41 @@ class WatchHooks:
         if is_compiled(w.model, w.root):
             self.compiled = CompiledStats(w.root, w.names)
 
-    def sample(self, on: bool) -> None:
+    def sample(self, on: bool, outputs: bool = False) -> None:
         """Module statistics for the next step: eager hooks installed only for it (an unsampled step runs the
-        model's fast path); a compiled model's hooks stay, switched by their flag at each root forward."""
+        model's fast path); a compiled model's hooks stay, switched by their flag at each root forward.
+        ``outputs``: every module's outputs without their gradients (the forecast's dense window, eager only)."""
         self.grads_on = on
+        self.all_modules = on or (outputs and self.compiled is None)
         if self.compiled is not None:
             if on:
                 self.compiled.reset()
             return
+        on = self.all_modules
         if on and not self.module_handles:
+            self.remove_tracked()
             for module in self.w.root.modules():
                 if module is not self.w.root:
                     self.module_handles.append(module.register_forward_hook(self.module_post))
-        elif not on and self.module_handles:
-            self.remove_modules()
+        elif not on:
+            if self.module_handles:
+                self.remove_modules()
+            if self.tracked and not self.tracked_handles:
+                modules = dict(self.w.root.named_modules())
+                self.tracked_handles = [
+                    modules[name].register_forward_hook(self.module_post) for name in self.tracked if name in modules
+                ]
+
+    def track(self, names: list[str]) -> None:
+        """Hook these modules on unsampled steps from the next one on (the forecast's watchlist)."""
+        if names != self.tracked:
+            self.remove_tracked()
+            self.tracked = [n for n in names if n]
+
+    def remove_tracked(self) -> None:
+        for handle in self.tracked_handles:
+            handle.remove()
+        self.tracked_handles.clear()
 
     def remove_modules(self) -> None:
         for handle in self.module_handles:
@@ -80,6 +107,7 @@ class WatchHooks:
 
     def remove(self) -> None:
         self.remove_modules()
+        self.remove_tracked()
         self.remove_probes()
         if self.compiled is not None:
             self.compiled.remove()
@@ -204,6 +232,8 @@ class WatchHooks:
             try:
                 if g.numel():
                     step.collector.pair("grad", name, g.detach(), low)
+                    if low and self.count_underflow:
+                        step.collector.underflow(g.detach())
             except Exception as exc:
                 w.fail(exc)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import torch
@@ -25,6 +25,8 @@ from ..capture.options import (
     refuse,
 )
 from .bundle import PathLike
+from .forecast import FORECAST_HORIZON, WARN_HEADROOM_BITS
+from .sinks import accepts, make_sink
 
 if sys.version_info >= (3, 10):
     from typing import ParamSpec
@@ -61,6 +63,9 @@ class WatchOptions:
     bundle_dir: Optional[PathLike] = None
     save_bundle: bool = True
     max_output_grad_bytes: Union[int, str] = MAX_KEPT_OUTPUT_GRAD_BYTES
+    log_to: Any = field(default=None, compare=False)  # a SummaryWriter, a W&B run, a callable ... (.sinks)
+    warn_headroom_bits: float = WARN_HEADROOM_BITS
+    forecast_horizon: int = FORECAST_HORIZON
 
     def __post_init__(self) -> None:
         check_callable("loss_fn", self.loss_fn, "a function loss_fn(output, batch) -> scalar tensor, or None")
@@ -72,6 +77,13 @@ class WatchOptions:
         check_bool("save_bundle", self.save_bundle)
         size = check_size("max_output_grad_bytes", self.max_output_grad_bytes)
         object.__setattr__(self, "max_output_grad_bytes", size)
+        if isinstance(self.warn_headroom_bits, bool) or not isinstance(self.warn_headroom_bits, (int, float)) or not (
+            0 < self.warn_headroom_bits < 64
+        ):
+            raise refuse("warn_headroom_bits", self.warn_headroom_bits, "a number of bits > 0 (about 6)")
+        check_count("forecast_horizon", self.forecast_horizon, minimum=1)
+        if self.log_to is not None and not accepts(self.log_to):
+            make_sink(self.log_to)  # raises InvalidInput naming log_to
 
     @property
     def output_grad_bytes(self) -> int:

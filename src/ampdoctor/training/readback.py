@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
+from ..capture import sharded
 from ..capture.state import RngState
 from ..capture.walk import iter_tensors
 from ..records import FrozenMap, StepRecord
@@ -80,6 +81,7 @@ class Collector:
         self.values: list[torch.Tensor] = []  # 0-d, or 1-D blocks (each spans block.numel() numbers)
         self.layout: list[tuple[int, PairKind, str, bool]] = []  # (index of lo, kind, module, low dtype)
         self.size = 0  # numbers in all values
+        self.small: list[tuple[int, int]] = []  # (index of [zeros, below tiny], numel) of low-precision gradients
 
     def add(self, value: torch.Tensor) -> int:
         """A 0-d value, or a 1-D block; returns the index of its (first) number."""
@@ -94,6 +96,19 @@ class Collector:
         self.add(hi)
         self.layout.append((index, kind, module, low))
         return index
+
+    def underflow(self, g: torch.Tensor) -> None:
+        """Count a low-precision gradient's zeros and its values below the smallest normal (two reductions)."""
+        tiny = torch.finfo(g.dtype).tiny
+        self.small.append((self.add(torch.stack([(g == 0).sum(), (g.abs() < tiny).sum()])), g.numel()))
+
+    def underflow_share(self, numbers: list[float]) -> Optional[float]:
+        """Of the nonzero low-precision gradient values counted, the share below the smallest normal (subnormal:
+        losing bits, and flushed to zero by the next halving of the scale); None when none was counted."""
+        nonzero = sum(n - numbers[i] for i, n in self.small)
+        if not self.small or nonzero <= 0:
+            return None
+        return sum(numbers[i + 1] - numbers[i] for i, _ in self.small) / nonzero
 
     def pairs(self, numbers: list[float]) -> list[Pair]:
         return [(kind, module, numbers[i], numbers[i + 1], low) for i, kind, module, low in self.layout]
@@ -137,6 +152,8 @@ class StepState:
     dropped_micro: int = 0
     kept_bytes: int = 0  # output gradients kept for a replay
     tensor_handles: list[Any] = field(default_factory=list)
+    pairs: list[Pair] = field(default_factory=list)  # after the read-back: every measured pair (the forecast's)
+    numbers: list[float] = field(default_factory=list)  # after the read-back: every number read
 
     def remove_hooks(self) -> None:
         for handle in self.tensor_handles:
@@ -160,6 +177,7 @@ class StepState:
         scale_after = next(tail) if isinstance(after, torch.Tensor) else float(after or scale_before)
         scales = StepScales(scale_before, scale_after, sum(numbers[i] for i in found_slots) if found else None)
         pairs = collector.pairs(numbers)
+        self.pairs, self.numbers = pairs, numbers
         weight_norm: dict[str, float] = {}
         for extra, at in zip(extras, extra_slots):
             decoded = extra.decode(numbers[at : at + extra.tensor.numel()])
@@ -261,6 +279,35 @@ def step_record(
         local_nonfinite=not forward_finite or bool(bad_out) or bool(bad_grad),
     )
     return record, bad_micro
+
+
+class WeightNorms:
+    """Each module's own parameters' L2 norm (this rank's shard of a sharded parameter), as one block."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.root = root
+        self.owned: Optional[list[tuple[str, torch.Tensor]]] = None  # (module name, parameter), found once
+
+    def block(self) -> Extra:
+        if self.owned is None:  # the model's structure does not change
+            seen: set[int] = set()
+            self.owned = []
+            for name, module in self.root.named_modules():
+                for p in module.parameters(recurse=False):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        self.owned.append((name, p))
+        owners = [name for name, _ in self.owned]
+        norms = torch._foreach_norm([sharded.local(p).detach() for _, p in self.owned]) if owners else []
+        block = torch.stack(list(norms)).float() if norms else torch.zeros(0)
+
+        def decode(numbers: list[float]) -> Decoded:
+            squares: dict[str, float] = {}
+            for owner, value in zip(owners, numbers):
+                squares[owner] = squares.get(owner, 0.0) + value * value
+            return Decoded(weight_norm={k: v**0.5 for k, v in squares.items()})
+
+        return Extra(block, decode)
 
 
 def tensor_versions(args: Any, kwargs: Any) -> list[int]:

@@ -117,7 +117,7 @@ def replay_micro(replayer: StepReplayer, m: MicroBatch, scale: float, step: int)
 
 def _replay(replayer: StepReplayer, m: MicroBatch, scale: float, step: int, loss_fn: Optional[LossFn]) -> Report:
     batch = as_batch(replayer.root, m.args, m.kwargs)
-    loss, backward, notes, bad_grad = capture_loss(loss_fn, m, scale)
+    loss, backward, notes, bad_grad = capture_loss(loss_fn, m, scale, given=replayer.loss_fn is not None)
     notes += replayer.notes
     if m.weight_versions is not None and weight_versions(replayer.root) != m.weight_versions:
         notes.append(
@@ -130,22 +130,27 @@ def _replay(replayer: StepReplayer, m: MicroBatch, scale: float, step: int, loss
                      "current contents")
     report = with_rng(m.rng, lambda: diagnose(
         replayer.root, batch, loss_fn=loss, dtype=replayer.low, device_type=replayer.device_type,
-        scale=max(scale, MIN_REPLAY_SCALE), backward=backward, progress=False,  # inside training: silent
+        scale=max(scale, MIN_REPLAY_SCALE), backward=backward, progress=None,  # a line on a terminal only
     ))
     if bad_grad is not None:
-        report = loss_gradient_origin(report, bad_grad[0], bad_grad[1], scale, replayer.low)
+        report = loss_gradient_origin(
+            report, bad_grad[0], bad_grad[1], scale, replayer.low, loss_fn_given=replayer.loss_fn is not None
+        )
     run = dataclasses.replace(report.run, scale_source=f"the watched GradScaler at step {step}")
+    if not backward and report.run.backward_note:  # the capture chose the forward only, not the user
+        run = dataclasses.replace(run, backward_note="")
     return add_notes(dataclasses.replace(report, run=run), notes)
 
 
 def capture_loss(
-    loss_fn: Optional[LossFn], m: MicroBatch, scale: float
+    loss_fn: Optional[LossFn], m: MicroBatch, scale: float, given: bool = False
 ) -> tuple[Optional[LossFn], bool, list[str], Optional[tuple[str, torch.Tensor]]]:
     """The loss a capture back-propagates: the user's (checked, with the recorded gradient as its fallback), the
     output's own, or the real one replayed through the kept gradient w.r.t. the outputs.
 
     Returns (loss_fn, backward, notes, non-finite output gradient); the notes list also receives what a
-    :class:`CheckedLoss` decides while ``diagnose`` runs."""
+    :class:`CheckedLoss` decides while ``diagnose`` runs. ``given``: the watch has a ``loss_fn`` (this replay runs
+    without it because it raised): the notes never ask for one."""
     notes: list[str] = []
     grads = m.output_grads()
     bad = next(((path, g) for path, g in (grads or {}).items() if not bool(torch.isfinite(g).all())), None)
@@ -155,15 +160,15 @@ def capture_loss(
     if m.own_loss or not m.expected_grads:
         return None, True, notes, None
     if grads is None:
-        return None, True, [not_kept_note(m)], None
+        return None, True, [not_kept_note(m, given)], None
     if bad is not None:
         return None, False, notes, bad
     notes.append("the capture replayed the step's backward from the gradient its loss sent into the model's "
-                 "output (pass loss_fn= to watch to replay the loss itself too)")
+                 "output" + ("" if given else " (pass loss_fn= to watch to replay the loss itself too)"))
     return recorded, True, notes, None
 
 
-def not_kept_note(m: MicroBatch) -> str:
+def not_kept_note(m: MicroBatch, given: bool = False) -> str:
     """Why the capture's backward used a surrogate loss: what was not kept of the output gradient."""
     if m.not_kept:
         sizes = ", ".join(f"{path} ({n / 2**20:.1f} MiB)" for path, n in m.not_kept.items())
@@ -171,7 +176,7 @@ def not_kept_note(m: MicroBatch) -> str:
     else:
         why = "it never arrived before scaler.update (the output did not reach the loss's backward)"
     return (f"the gradient w.r.t. the model's output was not kept: {why}; the capture's backward used a "
-            "surrogate loss; pass loss_fn= to watch to replay the real loss")
+            "surrogate loss" + ("" if given else "; pass loss_fn= to watch to replay the real loss"))
 
 
 def _matches(value: float, recorded: Optional[float]) -> bool:
@@ -323,16 +328,22 @@ def output_grad_loss(grads: Mapping[str, torch.Tensor], scale: float, value: Opt
     return loss
 
 
-def loss_gradient_origin(report: Report, path: str, grad: torch.Tensor, scale: float, low: torch.dtype) -> Report:
-    """The gradient reaching the model's output was already non-finite: the backward origin is the loss/scale."""
+def loss_gradient_origin(
+    report: Report, path: str, grad: torch.Tensor, scale: float, low: torch.dtype, loss_fn_given: bool = False
+) -> Report:
+    """The gradient reaching the model's output was already non-finite: the backward origin is the loss/scale.
+    ``loss_fn_given``: the watch has a loss_fn (it could not run on the replayed batch): never ask for one."""
     stats = tensor_stats(grad, low).scaled_down(scale)
     origin = Origin("backward", LOSS, 0, "loss", f"grad:{path}", stats, None)
     verdict = report.verdict if report.verdict != "healthy" else classify(stats, None)
     findings = dataclasses.replace(report.findings, backward_origin=origin, verdict=verdict)
+    how = (
+        "the watch's loss_fn could not replay the loss (see the note on it)" if loss_fn_given
+        else "pass loss_fn= to watch to replay the loss itself"
+    )
     note = (
         f"the gradient of the loss reaching the model's output ({path}) was already non-finite at scale {scale:g}: "
-        "it overflowed before any layer ran backward; the capture replayed the forward only (pass loss_fn= to "
-        "watch to replay the loss itself)"
+        f"it overflowed before any layer ran backward; the capture replayed the forward only ({how})"
     )
     return add_notes(dataclasses.replace(report, findings=findings), [note])
 

@@ -11,6 +11,11 @@ steps form a run (ARCHITECTURE.md §2):
   the loss stayed *in range* throughout, that good step included (GradScaler did its job);
 * **open** while neither happened yet.
 
+The scaler's **first back-off** is expected: GradScaler starts at a scale (65536) that is usually too high and
+halves it on each skip until the gradients fit. A run that starts before the first good step, with a finite
+forward, is therefore not captured at its start (a capture replays ``diagnose``: seconds at step 0 for nothing);
+it is still captured the moment it turns persistent (a non-finite forward, the scale below 1, a divergence).
+
 :class:`RunTracker` folds a stream of :class:`~ampdoctor.records.StepRecord` into runs and says which steps a
 capture should explain; the functions below merge the runs of several ranks and annotate steps with them.
 """
@@ -102,6 +107,7 @@ class RunTracker:
         self._history: deque[StepRecord] = deque(maxlen=LOSS_MEDIAN_STEPS + LOOKBACK_STEPS + 1)
         self._samples: deque[StepRecord] = deque(maxlen=MAX_SAMPLES_KEPT)
         self._jumps: deque[tuple[int, float, float]] = deque(maxlen=MAX_JUMPS_KEPT)  # (step, loss, median)
+        self._good_seen = False  # a good step was seen: a run from now on is no first back-off
 
     @property
     def runs(self) -> tuple[Run, ...]:
@@ -132,6 +138,7 @@ class RunTracker:
     def observe(self, step: StepRecord) -> Observed:
         self._remember(step)
         if not is_bad(step):
+            self._good_seen = True
             if not self._open:
                 return Observed(None)
             run = self._runs[-1]
@@ -151,7 +158,8 @@ class RunTracker:
                 self._runs.pop(1 if self._runs[0].status == PERSISTENT else 0)
             self._runs.append(Run(start=step.step))
             self._open = True
-            capture = "run_start"
+            # the scaler's first back-off (no good step yet, a finite forward) is expected: no capture for it
+            capture = "run_start" if self._good_seen or not step.forward_finite else None
         run = dataclasses.replace(self._runs[-1], skips=self._runs[-1].skips + int(step.skipped))
         if run.status != PERSISTENT:
             diverged = self._divergence(run, step)

@@ -13,7 +13,8 @@ scaler's methods), ``quiet`` (ampdoctor's own passes are never training), ``read
 read-back into a record), ``runs`` and ``divergence`` (harmless / persistent / diverged runs, pure),
 ``failures`` (captures, the bundle and the log line for each finished step), ``replay_step`` (a capture:
 ``diagnose`` of the failing forward), ``compiled`` (torch.compile), ``sharded`` (FSDP), ``bundle`` and ``replay``
-(failure bundles), ``compose`` (per-rank payloads -> Report).
+(failure bundles), ``compose`` (per-rank payloads -> Report), ``lookout`` (after each step: the headroom forecast
+of ``forecast``, dense sampling, the tracked modules, ``log_to`` through ``sinks``).
 
 * **Step boundaries** come from ``scaler.update`` (``doctor.step()`` without a scaler); ``scaler.scale`` shows
   the loss. Both are wrapped by shared taps (put back on exit, in any order, also after an exception).
@@ -49,7 +50,9 @@ from .bundle import PathLike
 from .compiled import COMPILED_NOTE, NO_STATS_NOTE
 from .compose import RankPayload, compose_report, trends
 from .failures import FailureTracker, Plan
+from .forecast import FORECAST_HORIZON, WARN_HEADROOM_BITS
 from .hooks import MAX_MICRO_BATCHES, WatchHooks
+from .lookout import Lookout
 from .options import (
     DEFAULT_HISTORY,
     DEFAULT_MAX_CAPTURES,
@@ -60,7 +63,7 @@ from .options import (
     parameters_of,
 )
 from .quiet import own_capture
-from .readback import Decoded, Extra, StepState, detach_tree, found_inf_flags, loss_value, scale_value
+from .readback import Extra, StepState, WeightNorms, detach_tree, found_inf_flags, loss_value, scale_value
 from .replay_step import LossFn, StepReplayer
 from .runs import is_bad
 from .taps import Tap, join
@@ -101,10 +104,14 @@ class Watch:
         bundle_dir: Optional[PathLike] = None,
         save_bundle: bool = True,
         max_output_grad_bytes: Union[int, str] = MAX_KEPT_OUTPUT_GRAD_BYTES,
+        log_to: Any = None,
+        warn_headroom_bits: float = WARN_HEADROOM_BITS,
+        forecast_horizon: int = FORECAST_HORIZON,
     ) -> None:
         options = WatchOptions(
             loss_fn=loss_fn, dtype=dtype, stats_every=stats_every, history=history, max_captures=max_captures,
             bundle_dir=bundle_dir, save_bundle=save_bundle, max_output_grad_bytes=max_output_grad_bytes,
+            log_to=log_to, warn_headroom_bits=warn_headroom_bits, forecast_horizon=forecast_horizon,
         )
         check_scaler(scaler)
         self.options = options
@@ -141,8 +148,11 @@ class Watch:
         self.targets: Any = None
         self.cur = StepState()
         self.hooks = WatchHooks(self)
+        self._lookout = Lookout(options.warn_headroom_bits, options.forecast_horizon, log_to, self.rank,
+                                self.world_size)
+        self.hooks.count_underflow = self._lookout.sink is not None
         self._taps: list[Tap] = []
-        self._owned: Optional[list[tuple[str, torch.Tensor]]] = None  # each parameter with its module's name
+        self._norms = WeightNorms(self.root)
         self._failures = FailureTracker(
             self.root, max_captures=self.max_captures, save_bundle=options.save_bundle, bundle_dir=options.bundle_dir,
             rank=self.rank, world_size=self.world_size, scaler=scaler, note=self._note,
@@ -171,7 +181,7 @@ class Watch:
             self.hooks.install()
             if self.scaler is not None:
                 self._taps = [join(self.scaler, "scale", self), join(self.scaler, "update", self)]
-            self.hooks.sample(self._sampled(self._step))
+            self.hooks.sample(self._sampled(self._step), self._step <= self._lookout.dense_until)
         except BaseException:
             self.close()
             raise
@@ -184,6 +194,10 @@ class Watch:
         for tap in self._taps:
             tap.leave(self)
         self._taps.clear()
+        try:
+            self._lookout.close()  # the sink's buffered scalars out
+        except Exception as exc:
+            self.fail(exc)
         self.cur = StepState()  # no reference to the user's inputs (or targets) after the block
         self.targets = None
         self.active = False
@@ -295,7 +309,7 @@ class Watch:
     def _end_step(self, before: Any, after: Any, found: list[torch.Tensor]) -> None:
         """One read-back, then the step's record, run bookkeeping, captures and the bundle. Never raises."""
         step, cur = self._step, self.cur
-        sampled = self.hooks.grads_on
+        sampled = self.hooks.all_modules  # with gradients, or only outputs (the forecast's dense window)
         if cur.dropped_micro:
             self._note(f"step {step}: {cur.dropped_micro} early forward(s) of {cur.forwards} not kept for a replay "
                        f"(at most {MAX_MICRO_BATCHES} per step)")
@@ -307,6 +321,7 @@ class Watch:
             plan = self._failures.plan(record, list(cur.micro))
             if self._failures.runs.last_jump == step:
                 self._dense_until = step + DENSE_STEPS_AFTER_JUMP
+            self._look(cur, record, sampled)
         except Exception as exc:
             self.fail(exc)
         try:
@@ -318,9 +333,19 @@ class Watch:
         finally:
             self._step += 1
             try:
-                self.hooks.sample(self.active and self._sampled(self._step))
+                dense = self.stats_every > 0 and self._step <= self._lookout.dense_until  # outputs only
+                self.hooks.sample(self.active and self._sampled(self._step), self.active and dense)
             except Exception as exc:
                 self.fail(exc)
+
+    def _look(self, cur: StepState, record: StepRecord, sampled: bool) -> None:
+        """The forecast, dense sampling, the tracked modules and ``log_to`` (:mod:`.lookout`)."""
+        underflow = cur.collector.underflow_share(cur.numbers) if sampled else None
+        tracked = self._lookout.after_step(
+            record.step, sampled, cur.pairs, self.low, record.new_scale, record.skipped, underflow
+        )
+        if tracked is not None and self.hooks.compiled is None:
+            self.hooks.track(tracked)
 
     def _read(
         self, cur: StepState, step: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor]
@@ -342,25 +367,7 @@ class Watch:
 
     def _weight_norms(self) -> Extra:
         """Each module's own parameters' L2 norm (this rank's shard of a sharded parameter), as one block."""
-        if self._owned is None:  # (module name, parameter) once: the model's structure does not change
-            seen: set[int] = set()
-            self._owned = []
-            for name, module in self.root.named_modules():
-                for p in module.parameters(recurse=False):
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        self._owned.append((name, p))
-        owners = [name for name, _ in self._owned]
-        norms = torch._foreach_norm([sharded.local(p).detach() for _, p in self._owned]) if owners else []
-        block = torch.stack(list(norms)).float() if norms else torch.zeros(0)
-
-        def decode(numbers: list[float]) -> Decoded:
-            squares: dict[str, float] = {}
-            for owner, value in zip(owners, numbers):
-                squares[owner] = squares.get(owner, 0.0) + value * value
-            return Decoded(weight_norm={k: v**0.5 for k, v in squares.items()})
-
-        return Extra(block, decode)
+        return self._norms.block()
 
     def _act(self, plan: Optional[Plan], micro: list[Any], bad_micro: list[bool]) -> Optional[StepRecord]:
         """Run what the step's plan calls for (captures, the bundle), quietly: every watch ignores those passes.
@@ -413,6 +420,7 @@ class Watch:
             stats_every=self.stats_every,
             scale=self._steps[-1].new_scale if self._steps else None,
             total_steps=self._step,
+            forecasts=tuple(self._lookout.texts),
         )
 
     def _note(self, text: str) -> None:
@@ -457,12 +465,16 @@ def watch(*args: Any, **kwargs: Any) -> Watch:
         max_output_grad_bytes: the output gradients kept per step for a capture (default 256 MiB), in bytes or
             as text with a unit (``"64MiB"``, ``"1GB"``, as ``diagnose``'s ``memory_limit``); a larger one is not
             kept, and a capture says so.
+        log_to: scalars (loss scale, skips, headroom, underflow share) and forecasts, every step, to a
+            SummaryWriter, a W&B run, an Accelerator, a Lightning logger or a callable ``(tag, value, step)``.
+        warn_headroom_bits, forecast_horizon: the overflow forecast warns about an output under this headroom
+            (bits) forecast to overflow within this many steps (:mod:`.forecast`).
 
     Each step reads its statistics back from the device once, in ``scaler.update``. A persistent failure, a
-    divergence and a written bundle each log one WARNING line on the ``ampdoctor`` logger. Use it as a context
-    manager (or call ``close()``): the hooks and the scaler's taps go away on exit, also after an exception.
-    ``report()`` works inside and after the block. A keyword of the wrong type or range (``stats_every=-1``,
-    ``history=0``, ``dtype=torch.float32``) raises :class:`ampdoctor.InvalidInput` naming it, before anything is
-    installed.
+    divergence, a written bundle and an overflow forecast each log one WARNING line on the ``ampdoctor`` logger.
+    Use it as a context manager (or call ``close()``): the hooks and the scaler's taps go away on exit, also after
+    an exception. ``report()`` works inside and after the block. A keyword of the wrong type or range
+    (``stats_every=-1``, ``history=0``, ``dtype=torch.float32``) raises :class:`ampdoctor.InvalidInput` naming it,
+    before anything is installed.
     """
     return Watch(*args, **kwargs).start()

@@ -1,0 +1,115 @@
+"""The watch's look ahead, after each step's read-back: headroom trends, the overflow forecast and its warning,
+when to sample densely, which modules to track every step, and the scalars for ``log_to``.
+
+* **Every step** the root's output range (read anyway) and the tracked modules' (the ``TRACKED_MODULES``
+  tightest of the last sampled step, hooked on unsampled steps too) feed the :class:`~.forecast.Forecaster`;
+  sampled steps feed every module.
+* **Dense sampling**: when one of them trends upward significantly (:meth:`~.forecast.Forecaster.trending`), the
+  next ``DENSE_STEPS_ON_TREND`` steps measure every module's outputs (not their gradients: the forecast needs only
+  the forward; those steps count as sampled, with no gradient statistics), so a fast drift is seen by every
+  module, not by one sample in fifty.
+* **The warning**: one WARNING line on the ``ampdoctor`` logger naming the module, its headroom in bits, the rate
+  in bits per step and the steps left; the report carries it (``findings.warnings``); it repeats only when the
+  forecast changes materially.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional
+
+import torch
+
+from ..capture.dtypes import dtype_name
+from ..capture.stats import format_limits
+from .forecast import Forecast, Forecaster
+from .readback import Pair, bad_pair
+from .sinks import PREFIX, Sink, Value, make_sink
+
+log = logging.getLogger("ampdoctor")
+
+# Modules hooked on every step (the tightest of the last sampled step), and the headroom scalars logged.
+TRACKED_MODULES = 4
+# Steps sampled after a significant upward trend of the root output or a tracked module.
+DENSE_STEPS_ON_TREND = 24
+# Forecast warnings the report keeps.
+FORECASTS_KEPT = 10
+
+
+def maxima(pairs: list[Pair]) -> dict[str, float]:
+    """Largest finite |x| per module over its low-precision outputs (``""`` the root), in completion order."""
+    out: dict[str, float] = {}
+    for kind, module, lo, hi, low in pairs:
+        if kind == "grad" or not low or bad_pair(lo, hi):
+            continue
+        value = max(abs(hi), abs(lo) if math.isfinite(lo) else 0.0)
+        out[module] = max(out.get(module, 0.0), value)
+    return out
+
+
+class Lookout:
+    """One watch's forecaster, dense-sampling window, tracked modules and sink."""
+
+    def __init__(self, warn_bits: float, horizon: float, log_to: Any, rank: int, world_size: int) -> None:
+        self.warn_bits = float(warn_bits)
+        self.horizon = float(horizon)
+        self.sink: Optional[Sink] = make_sink(log_to) if log_to is not None else None
+        self.rank, self.world_size = rank, world_size
+        self.forecaster: Optional[Forecaster] = None
+        self.dense_until = -1
+        self.skipped = 0
+        self.texts: list[str] = []  # the forecast warnings, for the report
+
+    def _forecaster(self, low: Optional[torch.dtype]) -> Forecaster:
+        if self.forecaster is None:
+            dtype = low or torch.float16
+            self.forecaster = Forecaster(self.warn_bits, self.horizon, format_limits(dtype).max, dtype_name(dtype))
+        return self.forecaster
+
+    def after_step(
+        self, step: int, sampled: bool, pairs: list[Pair], low: Optional[torch.dtype], scale: Optional[float],
+        skipped: bool, underflow: Optional[float],
+    ) -> Optional[list[str]]:
+        """Fold one step in. Returns the new tracked-module list on a sampled step (else None)."""
+        f = self._forecaster(low)
+        seen = maxima(pairs)
+        forecast = f.observe(step, seen)
+        if forecast is not None:
+            self._warn(forecast)
+        if f.trending() and step >= self.dense_until:
+            self.dense_until = step + DENSE_STEPS_ON_TREND
+        self.skipped += int(skipped)
+        if self.sink is not None:
+            self._log(step, scale, underflow, forecast)
+        if sampled:
+            return f.tightest(TRACKED_MODULES, [m for m in seen if m])
+        return None
+
+    def _warn(self, forecast: Forecast) -> None:
+        text = forecast.text()
+        if len(self.texts) < FORECASTS_KEPT:
+            self.texts.append(text)
+        prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
+        log.warning("%sampdoctor: step %d: %s", prefix, forecast.step, text)
+
+    def _log(self, step: int, scale: Optional[float], underflow: Optional[float], forecast: Optional[Forecast]) -> None:
+        assert self.forecaster is not None and self.sink is not None
+        values: dict[str, Value] = {}
+        if scale is not None:
+            values[PREFIX + "loss_scale"] = float(scale)
+        values[PREFIX + "skipped_steps"] = float(self.skipped)
+        latest = self.forecaster.latest()
+        if latest:
+            values[PREFIX + "headroom_bits_min"] = min(latest.values())
+            for m in self.forecaster.tightest(TRACKED_MODULES):
+                values[f"{PREFIX}headroom_bits/{m or 'root'}"] = latest[m]
+        if underflow is not None:
+            values[PREFIX + "underflow_share"] = underflow
+        if forecast is not None:
+            values[PREFIX + "forecast"] = forecast.text()
+        self.sink.log(step, values)
+
+    def close(self) -> Any:
+        if self.sink is not None:
+            self.sink.flush()
