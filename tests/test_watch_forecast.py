@@ -7,7 +7,6 @@ import logging
 import math
 import random
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -166,25 +165,26 @@ def first_step(model: nn.Module, scaler: torch.amp.GradScaler, x: torch.Tensor, 
     scaler.update()
 
 
-def test_the_scalers_first_back_off_is_quiet_and_cheap(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_scalers_first_back_off_is_quiet_and_cheap(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first back-off runs no pass of ampdoctor's own (what made step 0 cost seconds) and logs nothing. Its
+    time against a plain step is measured by benchmarks/watch_overhead.py, not here (timings flake under load)."""
+    from ampdoctor.capture.session import Session
+
+    passes: list[object] = []
+    real_run = Session.run
+    monkeypatch.setattr(Session, "run", lambda self, *a, **k: passes.append(a) or real_run(self, *a, **k))
     caplog.set_level(logging.DEBUG, logger="ampdoctor")
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-    plain, watched = [], []
-    for _ in range(3):  # best of three, each on a fresh model and scaler (step 0 is always a first step)
-        model, scaler = wide_mlp(), torch.amp.GradScaler("cpu")
-        t = time.process_time()
+    model, scaler = wide_mlp(), torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, scaler) as doctor:
         first_step(model, scaler, x, y)
-        plain.append(time.process_time() - t)
-        assert scaler.get_scale() == 32768.0  # it did back off
-        model, scaler = wide_mlp(), torch.amp.GradScaler("cpu")
-        t = time.process_time()
-        with ampdoctor.watch(model, scaler) as doctor:
-            first_step(model, scaler, x, y)
-        watched.append(time.process_time() - t)
-        step = doctor.report().steps[0]
-        assert step.skipped and not step.captured
+    assert scaler.get_scale() == 32768.0  # it did back off
+    step = doctor.report().steps[0]
+    assert step.skipped and not step.captured
+    assert passes == []
     assert [r.getMessage() for r in caplog.records if r.name == "ampdoctor"] == []
-    assert min(watched) < 1.2 * min(plain), (watched, plain)
 
 
 def test_a_capture_that_does_run_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
