@@ -18,6 +18,7 @@ from ..records import (
     call_label,
 )
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
+from .hidden import HiddenOverflow
 
 VERDICTS: tuple[Verdict, ...] = typing.get_args(Verdict)
 
@@ -205,4 +206,6 @@ class Findings:
     window: Optional[ScaleWindow] = None
     precision: Optional[PrecisionFinding] = None
     divergence: Optional[Divergence] = None  # ampdoctor.watch: a run of skipped steps that a divergence led into
+    # Ops that made inf/NaN from finite inputs inside a call whose output stayed finite: never healthy.
+    hidden: tuple[HiddenOverflow, ...] = ()
 

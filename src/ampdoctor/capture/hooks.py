@@ -17,7 +17,7 @@ from torch import nn
 from ..records import GradKind
 from .reference import FloatReference
 from .state import RngState
-from .stats import StatsCollector
+from .stats import INTERNAL, StatsCollector
 from .walk import iter_tensors
 from .zoom import OpZoom
 
@@ -209,6 +209,14 @@ class Recorder:
 
     # forward
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        with INTERNAL:  # the hook's own tensor reads are not the model's ops (op zoom, hidden-overflow watch)
+            self._enter(module, args, kwargs)
+
+    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        with INTERNAL:
+            self._exit(module, args, kwargs, output)
+
+    def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.reference is not None and self.reference.busy:
             return  # a float32 re-run of ours: no call of the AMP forward
         if self.in_backward:
@@ -253,7 +261,7 @@ class Recorder:
         except Exception as exc:  # never raise inside the user's forward
             self.error = self.error or exc
 
-    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _exit(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.reference is not None and self.reference.busy:
             return
         if self.in_backward:

@@ -17,14 +17,25 @@ import torch
 from torch import nn
 
 from ..errors import AmpDoctorError, InternalError, InvalidInput, ModelRaised
-from ..records import LOSS, GradEvent, ModuleCall, ModuleInfo, ParamRecord, PassTrace, TensorRecord, TensorStats
+from ..records import (
+    LOSS,
+    GradEvent,
+    ModuleCall,
+    ModuleInfo,
+    OpOverflow,
+    ParamRecord,
+    PassTrace,
+    TensorRecord,
+    TensorStats,
+)
 from ..thresholds import GRADIENT_KEY
 from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
+from .hidden import HiddenWatch, watching
 from .hooks import Recorder
 from .reference import FloatReference
 from .state import StateGuard
-from .stats import StatsCollector
+from .stats import INTERNAL, StatsCollector
 from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
 
@@ -113,6 +124,7 @@ def run_pass(
     share: Optional[SharedForward] = None,
     keep: bool = True,
     histograms: int = 0,
+    hidden: frozenset[tuple[str, int, str, int]] = frozenset(),
 ) -> tuple[PassTrace, str]:
     """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
 
@@ -121,7 +133,9 @@ def run_pass(
     made the first non-finite gradient. ``reference`` (True: leaf modules; an int n: the modules n levels down)
     compares each chosen call against a float32 re-run of that call alone. ``histograms``: binade histograms of
     the parameter gradients (1), and of every gradient held in the low precision too (2): ``share.histograms``
-    afterwards, by parameter name, and ``GRADIENT_KEY`` + the gradient's order for the others.
+    afterwards, by parameter name, and ``GRADIENT_KEY`` + the gradient's order for the others. Every autocast
+    forward flags the ops that make inf/NaN from finite inputs (``trace.op_overflows``, :mod:`.hidden`);
+    ``hidden`` names flagged ops (module, call, op, occurrence) to count, classify and locate on this pass.
 
     With ``share``, a survey-level pass keeps its graph there (unless ``keep`` is False), and a later
     survey-level pass of the same spec at another scale runs only its backward on it; any other pass first
@@ -132,14 +146,14 @@ def run_pass(
     # Same spec, same options, and no module's forward replaced since (a float32 fallback under verification).
     modules = list(spec.root.modules())
     overrides = tuple(id(m.__dict__.get("forward")) for m in modules)
-    key = (id(spec), spec.dtype, detailed, zoom, autocast, backward_zoom, reference, overrides)
+    key = (id(spec), spec.dtype, detailed, zoom, autocast, backward_zoom, reference, overrides, hidden)
     if share is not None and share.step is not None:
         if keep and share.step.key == key and share.step.repeatable:
             trace = share.step.backward(scale, keep=True, histograms=histograms)
             share.histograms = share.step.histograms
             return trace, share.step.loss_source
         share.release()
-    step = _Step(spec, modules, key, detailed, zoom, autocast, backward_zoom, reference, guard)
+    step = _Step(spec, modules, key, detailed, zoom, autocast, backward_zoom, reference, guard, hidden)
     kept = False
     try:
         step.forward()
@@ -169,6 +183,7 @@ class _Step:
         backward_zoom: bool,
         reference: Union[bool, int],
         guard: Optional[StateGuard],
+        hidden: frozenset[tuple[str, int, str, int]] = frozenset(),
     ) -> None:
         self.spec, self.key, self.detailed, self.guard = spec, key, detailed, guard
         self.autocast, self.backward_zoom = autocast, backward_zoom
@@ -180,6 +195,9 @@ class _Step:
             self.float_reference = FloatReference(self.collector, depth, spec.device_type)
         self.recorder = Recorder(spec.names, modules, self.collector, spec.backward, zoom, self.float_reference)
         self.loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
+        # Ops that make inf/NaN from finite inputs, hidden later or not: watched in every low-precision forward.
+        self.hidden = HiddenWatch(self.recorder, hidden) if autocast else None
+        self.hidden_values = -1  # its group of values in the collector
         self.back_zoom = BackwardZoom() if backward_zoom else None
         self.contexts = contextlib.ExitStack()
         self.output: Any = None
@@ -232,7 +250,7 @@ class _Step:
         self.contexts.enter_context(torch.enable_grad())
         self.contexts.enter_context(_anomaly(self.backward_zoom))
         self.emulated = self.contexts.enter_context(emulation)
-        with _autocast(spec, self.autocast), writes:
+        with _autocast(spec, self.autocast), writes, watching(self.hidden):
             self.autocast_on = autocast_enabled("cpu" if spec.policy == "cuda_emulated" else spec.device_type)
             try:
                 output = call_model(spec.root, spec.batch)
@@ -252,12 +270,16 @@ class _Step:
                 with self.loss_zoom if self.loss_zoom is not None else contextlib.nullcontext():
                     loss, self.loss_source = resolve_loss(output, spec.batch, spec.loss_fn)
                     if self.loss_zoom is not None:
-                        self.loss_zoom.finish(loss)  # name the op behind the loss itself
+                        with INTERNAL:
+                            self.loss_zoom.finish(loss)  # name the op behind the loss itself
             except AmpDoctorError:
                 raise
             except Exception as exc:
                 raise ModelRaised(f"the loss raised {type(exc).__name__}: {exc}", "loss") from exc
         output_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(output, "out")]
+        if self.hidden is not None and self.hidden.values:
+            self.hidden_values = collector.add_values(self.hidden.values)
+            self.hidden.values = []  # the collector holds them now (0-d tensors, no activation)
         self.slots = (batch_slots, output_slots, collector.add(loss))
         self.output, self.loss = output, loss
 
@@ -318,11 +340,17 @@ class _Step:
         notes = tuple(
             f"the {kind} op zoom could not inspect {z.error}" for kind, z in zooms if z is not None and z.error
         )
+        overflows: tuple[OpOverflow, ...] = ()
+        if self.hidden is not None:
+            values = self.collector.values[self.hidden_values] if self.hidden_values >= 0 else []
+            overflows = self.hidden.records(values, recorder.calls)
+            if self.hidden.error:
+                notes += (f"the hidden-overflow watch could not inspect {self.hidden.error}",)
         if self.emulated is not None:
             notes += tuple(self.emulated.notes())
         self.first = dataclasses.replace(
             trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
-            autocast=self.autocast_on,
+            autocast=self.autocast_on, op_overflows=overflows,
         )
         return self.first
 

@@ -14,6 +14,7 @@ import torch
 from ..errors import OutOfMemory
 from ..records import PassRecord, PassTrace
 from .dtypes import dtype_name
+from .hidden import targets_of
 from .memory import describe, is_out_of_memory, pass_estimate
 from .passes import PassSpec, SharedForward, run_pass
 from .progress import Progress, progress_on_stderr
@@ -70,7 +71,7 @@ class Session:
         try:
             trace, source = run_pass(
                 spec, at_scale, detailed, zoom, autocast, backward_zoom, compare, self.guard,
-                share=self.share, keep=keep, histograms=histograms,
+                share=self.share, keep=keep, histograms=histograms, hidden=self._hidden_targets(detailed, dtype),
             )
         except Exception as exc:
             self.share.release()
@@ -86,6 +87,13 @@ class Session:
         if self.survey is None:
             self.survey = trace
         return trace
+
+    def _hidden_targets(self, detailed: bool, dtype: Optional[torch.dtype]) -> frozenset[tuple[str, int, str, int]]:
+        """The detailed re-run counts, classifies and locates the ops the survey flagged (same forward, same
+        ops in the same order)."""
+        if not detailed or dtype is not None or self.survey is None:
+            return frozenset()
+        return targets_of(self.survey.op_overflows)
 
     def _check_memory(self, record: PassRecord, detailed: bool, autocast: bool, survey_level: bool) -> None:
         """Skip a pass whose estimated peak (from the survey's records) exceeds the memory limit."""
