@@ -16,6 +16,7 @@ from torch import nn
 
 import ampdoctor
 from ampdoctor.analysis import NOT_VISIBLE, hidden_overflows
+from ampdoctor.records import PassTrace
 from ampdoctor.report import Report
 
 F16_MIN = torch.finfo(torch.float16).min  # -65504
@@ -218,6 +219,10 @@ def test_no_mode_stays_behind_after_the_forward_raises() -> None:
 
 def _survey_overflows(model: nn.Module, batch: torch.Tensor) -> tuple[object, ...]:
     """The survey's own flags: the op overflows of a plain pass (no targets: flagged, not classified)."""
+    return _survey_overflows_trace(model, batch).op_overflows
+
+
+def _survey_overflows_trace(model: nn.Module, batch: torch.Tensor) -> PassTrace:
     from ampdoctor.capture.passes import PassSpec, run_pass
 
     spec = PassSpec(
@@ -232,4 +237,114 @@ def _survey_overflows(model: nn.Module, batch: torch.Tensor) -> tuple[object, ..
     )
     trace, _ = run_pass(spec, 1.0, detailed=False)
     assert all(not o.classified and o.count is None for o in trace.op_overflows)
-    return trace.op_overflows
+    return trace
+
+
+class Hider(nn.Module):
+    """p = a * b in float16 with a = (300, 300, 1, 2), b = (-300, -300, 3, 4): 2 elements of -90000 -> -inf, made
+    from finite values (neither operand is at the max); then one op hides them and the output is finite."""
+
+    def __init__(self, hide: str) -> None:
+        super().__init__()
+        self.hide = hide
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.half().unbind(0)
+        p = a * b
+        if self.hide == "softmax":
+            return torch.softmax(p, dim=-1)
+        if self.hide == "clamp":
+            return p.clamp(min=-1000.0)
+        if self.hide == "nan_to_num":
+            return torch.nan_to_num(p, neginf=0.0)
+        if self.hide == "where":
+            return torch.where(torch.isinf(p), torch.zeros_like(p), p)
+        if self.hide == "masked_fill":
+            return p.masked_fill(torch.isinf(p), 0.0)
+        if self.hide == "maximum":
+            return torch.maximum(p, torch.full_like(p, -1000.0))
+        return p.amax(dim=-1, keepdim=True)  # "amax": a max that ignores the -inf
+
+
+@pytest.mark.parametrize("hide", ["softmax", "clamp", "nan_to_num", "where", "masked_fill", "maximum", "amax"])
+def test_each_kind_of_hiding_op_is_named_with_the_exact_count(hide: str) -> None:
+    batch = torch.tensor([[300.0, 300.0, 1.0, 2.0], [-300.0, -300.0, 3.0, 4.0]])
+    report = diagnose(Hider(hide), batch)
+    assert report.verdict == "hidden_overflow"
+    assert [(h.label, h.op, h.count, h.hidden_by) for h in report.findings.hidden] == [("<root>", "mul", 2, hide)]
+    assert report.findings.hidden[0].location is not None
+    assert report.findings.hidden[0].location.code == "p = a * b"
+
+
+class PassedOn(nn.Module):
+    """exp(12) = 162755 -> inf in float16 (made); the float32 detour and the cast back only pass it on; where
+    hides it. One hidden overflow (exp, 1 element), nothing else flagged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(x.half())
+        f = (e.float() * 2).half()
+        return torch.where(torch.isfinite(f), f, torch.zeros_like(f))
+
+
+def test_values_passed_on_through_float32_and_casts_are_not_made_again() -> None:
+    report = diagnose(PassedOn(), torch.tensor([12.0, 1.0, 2.0]))
+    assert [(h.op, h.count) for h in report.findings.hidden] == [("exp", 1)]
+    assert [o.op for o in report.trace.op_overflows] == ["exp"]
+    assert report.findings.hidden[0].hidden_by == "mul (float32 result)"  # the first op past the float32 cast
+
+
+class TwoBlocks(nn.Module):
+    """Two identical attention blocks on the same tokens: both make the same 4 -inf; two findings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ScoresBeforeScaling(), ScoresBeforeScaling()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x) + self.blocks[1](x)
+
+
+def test_each_module_call_gets_its_own_finding_and_the_float32_reference_shifts_nothing() -> None:
+    batch = tokens(300, 300, 10, 1)
+    for reference in (False, True):
+        report = ampdoctor.diagnose(TwoBlocks(), batch, loss_fn=loss_fn, device_type="cpu", scale=1.0,
+                                    reference=reference)
+        assert [(h.label, h.op, h.count, h.hidden_by) for h in report.findings.hidden] == [
+            ("blocks.0", "matmul", 4, "softmax"),
+            ("blocks.1", "matmul", 4, "softmax"),
+        ]
+
+
+def test_a_hidden_overflow_in_the_loss_function_is_named_as_the_loss() -> None:
+    """log(sigmoid(x)) in float16: sigmoid(-20) = 2e-9 -> 0 in float16, log(0) = -inf; the clamp hides it."""
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(1, 1, bias=False)
+            with torch.no_grad():
+                self.lin.weight.fill_(1.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    def log_sigmoid_loss(output: torch.Tensor, batch: object) -> torch.Tensor:
+        return (-torch.log(torch.sigmoid(output))).clamp(max=50.0).mean()
+
+    batch = torch.tensor([[-20.0], [-30.0], [1.0]])
+    report = ampdoctor.diagnose(Logits(), batch, loss_fn=log_sigmoid_loss, device_type="cpu", scale=1.0)
+    assert [(h.label, h.class_name, h.op, h.count) for h in report.findings.hidden] == [("<loss>", "loss", "log", 2)]
+    assert report.findings.hidden[0].hidden_by == "clamp"  # through neg: -(-inf) is still non-finite
+
+
+def test_cuda_policy_emulated_sees_softmax_in_float32_as_the_hider() -> None:
+    report = ampdoctor.diagnose(Net(ScoresBeforeScaling()), tokens(300, 300, 10, 1), loss_fn=loss_fn,
+                                device_type="cpu", policy="cuda", scale=1.0)
+    assert [(h.label, h.op, h.count) for h in report.findings.hidden] == [("attn", "matmul", 4)]
+
+
+def test_without_the_detailed_re_run_the_survey_flag_still_prevents_healthy() -> None:
+    trace = _survey_overflows_trace(Net(ScoresBeforeScaling()), tokens(300, 300, 10, 1))
+    (h,) = hidden_overflows(trace)
+    assert (h.label, h.op, h.count, h.classified, h.location, h.hidden_by) == ("attn", "matmul", None, False, None,
+                                                                             "softmax")

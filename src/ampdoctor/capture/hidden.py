@@ -74,6 +74,13 @@ _SELECT_OPS = frozenset(
         "randint", "randint_like", "normal", "uniform", "bernoulli", "zero_", "diag_embed", "block_diag",
     }
 )
+# Ops that read only the shape, dtype or device of their tensor arguments (``zeros_like(x)``): not consumers.
+_SHAPE_ONLY_OPS = frozenset(
+    {
+        "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "new_full", "new_zeros",
+        "new_ones", "new_tensor", "full", "zeros", "ones", "arange",
+    }
+)
 _ARITH_OPS = frozenset({"add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "rsub"})
 _CAST_OPS = frozenset({"to", "half", "bfloat16", "float", "double", "type", "type_as"})
 _ALLOCATION_OPS = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"})
@@ -204,10 +211,11 @@ class HiddenWatch(TorchFunctionMode):
                 self._remember(t, ())
             return
         sources: list[int] = []
-        for a in args:
-            self._collect(a, sources)
-        for a in kwargs.values():
-            self._collect(a, sources)
+        if name not in _SHAPE_ONLY_OPS:
+            for a in args:
+                self._collect(a, sources)
+            for a in kwargs.values():
+                self._collect(a, sources)
         inputs = tuple(dict.fromkeys(sources))
         if category == CAST:  # lowering a wider format can overflow (70000.0 -> inf); anything else passes on
             category = MAKE if tensors[0].dtype in LOW_DTYPES and _wider_input(args) else VIEW
