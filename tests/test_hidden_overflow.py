@@ -290,7 +290,7 @@ def test_values_passed_on_through_float32_and_casts_are_not_made_again() -> None
     report = diagnose(PassedOn(), torch.tensor([12.0, 1.0, 2.0]))
     assert [(h.op, h.count) for h in report.findings.hidden] == [("exp", 1)]
     assert [o.op for o in report.trace.op_overflows] == ["exp"]
-    assert report.findings.hidden[0].hidden_by == "mul (float32 result)"  # the first op past the float32 cast
+    assert report.findings.hidden[0].hidden_by == "where"  # mul's float32 result and the cast back kept the inf
 
 
 class TwoBlocks(nn.Module):
@@ -338,9 +338,12 @@ def test_a_hidden_overflow_in_the_loss_function_is_named_as_the_loss() -> None:
 
 
 def test_cuda_policy_emulated_sees_softmax_in_float32_as_the_hider() -> None:
+    """Under CUDA's lists softmax runs in float32: its result is measured (it consumed float16 values)."""
     report = ampdoctor.diagnose(Net(ScoresBeforeScaling()), tokens(300, 300, 10, 1), loss_fn=loss_fn,
                                 device_type="cpu", policy="cuda", scale=1.0)
-    assert [(h.label, h.op, h.count) for h in report.findings.hidden] == [("attn", "matmul", 4)]
+    assert [(h.label, h.op, h.count, h.hidden_by) for h in report.findings.hidden] == [
+        ("attn", "matmul", 4, "softmax")
+    ]
 
 
 def test_without_the_detailed_re_run_the_survey_flag_still_prevents_healthy() -> None:
@@ -348,3 +351,40 @@ def test_without_the_detailed_re_run_the_survey_flag_still_prevents_healthy() ->
     (h,) = hidden_overflows(trace)
     assert (h.label, h.op, h.count, h.classified, h.location, h.hidden_by) == ("attn", "matmul", None, False, None,
                                                                              "softmax")
+
+
+class TwoMatmuls(nn.Module):
+    """Two matmuls in one call, the second overflows: a = (2x2 of 2) @ (2x4 of 100) = 400 everywhere (finite);
+    a @ b with b = 200 per unit, inner size 4: 4 * 400 * 200 = 320000 -> inf, all 4 elements; the clamp hides it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.reshape(2, 2) @ torch.full((2, 4), 100.0)  # occurrence 0
+        b = torch.full((4, 2), 200.0)
+        return (a @ b).clamp(-1.0, 1.0)  # occurrence 1
+
+
+def test_the_occurrence_index_finds_the_same_op_again() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    from ampdoctor.capture.hidden import counted_op
+
+    report = diagnose(TwoMatmuls(), torch.full((4,), 2.0))
+    (h,) = report.findings.hidden
+    assert (h.op, h.occurrences, h.count) == ("matmul", (1,), 4)
+
+    class Count(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, bool]] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            name = counted_op(func, args, out)
+            if name == "matmul":
+                self.seen.append((name, bool(torch.isinf(out).any())))
+            return out
+
+    counter = Count()
+    with torch.autocast("cpu", dtype=torch.float16), counter:
+        TwoMatmuls()(torch.full((4,), 2.0))
+    assert counter.seen == [("matmul", False), ("matmul", True)]  # the k-th matmul is the one that overflows

@@ -38,6 +38,7 @@ from .zoom import user_location
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_LOW_NAMES = frozenset(_NAMES.values())
 
 # What an op does with its inputs' values.
 SKIP = 0  # allocates memory it does not write (``empty``): nothing to follow
@@ -217,8 +218,7 @@ class HiddenWatch(TorchFunctionMode):
             for a in kwargs.values():
                 self._collect(a, sources)
         inputs = tuple(dict.fromkeys(sources))
-        if category == CAST:  # lowering a wider format can overflow (70000.0 -> inf); anything else passes on
-            category = MAKE if tensors[0].dtype in LOW_DTYPES and _wider_input(args) else VIEW
+        category = _resolved(category, tensors, args)
         if category == VIEW:
             for t in tensors:
                 self._remember(t, inputs)
@@ -240,6 +240,10 @@ class HiddenWatch(TorchFunctionMode):
             self._measure(node, low)
             if self.targets and category != SELECT and self._key(node) in self.targets:
                 self._classify(node, low[0], args, kwargs, inplace)
+        elif tensors[0].numel() and any(self.nodes[i].dtype in _LOW_NAMES for i in inputs):
+            # A wider result of low-precision values (softmax under CUDA autocast): measured too, so that what
+            # hid a value is known; it never counts as making one (that is float32's business).
+            self._measure(node, tensors[:1])
         for t in tensors:
             self._remember(t, (node_id,))
 
@@ -323,7 +327,7 @@ class HiddenWatch(TorchFunctionMode):
                 bad[i] = any(bad[s] for s in n.inputs)
         found = []
         for i, n in enumerate(nodes):
-            if not bad[i] or n.first < 0 or n.category not in (MAKE, ARITH, CAST):
+            if not bad[i] or n.first < 0 or n.category not in (MAKE, ARITH, CAST) or n.dtype not in _LOW_NAMES:
                 continue
             if any(bad[s] for s in n.inputs):
                 continue  # passed a non-finite value on
@@ -359,7 +363,7 @@ class HiddenWatch(TorchFunctionMode):
 
     def _hider(self, start: int, bad: list[bool]) -> str:
         """The first op (in op order) that consumed the values, directly or through ops that kept them
-        non-finite, and gave a finite result, or a float32 one the watch does not measure; "" when none."""
+        non-finite, and gave a finite result (or one the watch did not measure); "" when none."""
         nodes = self.nodes
         seen = {start}
         todo = sorted(nodes[start].consumers)
@@ -372,8 +376,28 @@ class HiddenWatch(TorchFunctionMode):
             if n.first >= 0 and bad[c]:
                 todo = sorted({*todo, *n.consumers})
                 continue
-            return n.name if n.first >= 0 else f"{n.name} (float32 result)"
+            return n.name if n.first >= 0 else f"{n.name} (result not measured)"
         return ""
+
+
+def _resolved(category: int, tensors: list[torch.Tensor], args: Any) -> int:
+    """A cast makes values when it lowers a wider format to the low one (70000.0 -> inf); else it passes on."""
+    if category != CAST:
+        return category
+    return MAKE if tensors[0].dtype in LOW_DTYPES and _wider_input(args) else VIEW
+
+
+def counted_op(func: Any, args: Any, out: Any) -> Optional[str]:
+    """The op name under which the watch numbers this call (``OpOverflow.occurrence`` counts, per innermost
+    module call, the calls this returns the same name for), or None when it does not number it: no floating
+    output, memory allocation, views, reshapes, copies and casts up. For code that must find the same op again
+    (an op-level float32 upcast of the k-th ``matmul`` of a module call)."""
+    name, _, category, _ = op_info(func)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors or category == SKIP or _resolved(category, tensors, args) == VIEW:
+        return None
+    return name
 
 
 def _wider_input(args: Any) -> bool:

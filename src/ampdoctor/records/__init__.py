@@ -328,7 +328,8 @@ class OpOverflow:
     call_index: Optional[int]  # index into the pass's calls; None for the loss
     op: str  # "matmul" (``q @ k``, ``torch.matmul``), "exp", "add", "pow"
     function: str  # what the code called: "Tensor.__matmul__", "torch.exp", "F.linear"
-    occurrence: int  # this op's 0-based index among the ops of the same name in this call
+    # 0-based index among the same-named ops of this call, its children's aside (capture.hidden.counted_op)
+    occurrence: int
     dtype: str  # the op's output dtype
     numel: int
     count: Optional[int] = None  # elements made non-finite (sentinels excluded); None: flagged, not counted
