@@ -179,6 +179,7 @@ class HiddenWatch(TorchFunctionMode):
         self.error: Optional[str] = None
         self._where: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, ...]]] = {}
         self._occurrences: dict[tuple[Optional[int], str], int] = {}
+        self._queued: list[tuple[int, list[int]]] = []  # (collector vector, positions in values)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -313,7 +314,28 @@ class HiddenWatch(TorchFunctionMode):
         self.values.append(torch.count_nonzero(made))
         node.location = user_location()
 
-    # -- after the readback ---------------------------------------------------------------------------------
+    # -- the readback ---------------------------------------------------------------------------------------
+    def queue(self, collector: Any) -> None:
+        """Hand the queued values to ``collector`` (a StatsCollector) for the pass's single readback: one stacked
+        vector per (device, dtype), so reading them back converts a few tensors, not one per op."""
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, v in enumerate(self.values):
+            groups.setdefault((v.device, v.dtype), []).append(i)
+        with INTERNAL:
+            self._queued = [
+                (collector.add_vector(torch.stack([self.values[i] for i in where])), where)
+                for where in groups.values()
+            ]
+        self.values = []  # the collector holds them now (0-d tensors, no activation)
+
+    def read_values(self, collector: Any) -> list[float]:
+        """The values in the order they were queued, after ``collector.read()``."""
+        out = [0.0] * sum(len(where) for _, where in self._queued)
+        for slot, where in self._queued:
+            for position, value in zip(where, collector.vectors[slot]):
+                out[position] = value
+        return out
+
     def records(self, values: Sequence[float], calls: Sequence[Any]) -> tuple[OpOverflow, ...]:
         """Every op that made inf/NaN from finite inputs, from ``values`` (``self.values`` read back) and the
         recorder's calls. A classified op whose non-finite elements are all sentinels is left out."""

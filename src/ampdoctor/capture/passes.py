@@ -197,7 +197,6 @@ class _Step:
         self.loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
         # Ops that make inf/NaN from finite inputs, hidden later or not: watched in every low-precision forward.
         self.hidden = HiddenWatch(self.recorder, hidden) if autocast else None
-        self.hidden_values = -1  # its group of values in the collector
         self.back_zoom = BackwardZoom() if backward_zoom else None
         self.contexts = contextlib.ExitStack()
         self.output: Any = None
@@ -277,9 +276,8 @@ class _Step:
             except Exception as exc:
                 raise ModelRaised(f"the loss raised {type(exc).__name__}: {exc}", "loss") from exc
         output_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(output, "out")]
-        if self.hidden is not None and self.hidden.values:
-            self.hidden_values = collector.add_values(self.hidden.values)
-            self.hidden.values = []  # the collector holds them now (0-d tensors, no activation)
+        if self.hidden is not None:
+            self.hidden.queue(collector)
         self.slots = (batch_slots, output_slots, collector.add(loss))
         self.output, self.loss = output, loss
 
@@ -342,8 +340,7 @@ class _Step:
         )
         overflows: tuple[OpOverflow, ...] = ()
         if self.hidden is not None:
-            values = self.collector.values[self.hidden_values] if self.hidden_values >= 0 else []
-            overflows = self.hidden.records(values, recorder.calls)
+            overflows = self.hidden.records(self.hidden.read_values(self.collector), recorder.calls)
             if self.hidden.error:
                 notes += (f"the hidden-overflow watch could not inspect {self.hidden.error}",)
         if self.emulated is not None:
