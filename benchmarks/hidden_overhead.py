@@ -93,10 +93,10 @@ def loss_fn(output: torch.Tensor, batch: Any) -> torch.Tensor:
     return output.float().pow(2).mean() * 1e-6
 
 
-def build(healthy: bool, quick: bool) -> tuple[nn.Module, torch.Tensor]:
+def build(healthy: bool, quick: bool, batch_size: int = 8, seq: int = 32) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = Model(64, 4, 2, healthy)
-    batch = torch.randn(2 if quick else 8, 32, 64)
+    batch = torch.randn(2 if quick else batch_size, seq, 64)
     if not healthy:
         batch = batch * 100 + 400
     return model, batch
@@ -127,9 +127,9 @@ def spec_of(model: nn.Module, batch: torch.Tensor) -> PassSpec:
 
 
 class Steps:
-    def __init__(self, quick: bool) -> None:
-        self.healthy = build(True, quick)
-        self.hidden = build(False, quick)
+    def __init__(self, quick: bool, batch_size: int = 8, seq: int = 32) -> None:
+        self.healthy = build(True, quick, batch_size, seq)
+        self.hidden = build(False, quick, batch_size, seq)
         self.spec = spec_of(*self.healthy)
         self.reports: dict[str, Any] = {}
 
@@ -179,8 +179,8 @@ def _plain_time(steps: Steps, clock: Any) -> float:
     return clock() - start
 
 
-def memory_worker(mode: str, quick: bool) -> None:
-    steps = Steps(quick)
+def memory_worker(mode: str, args: argparse.Namespace) -> None:
+    steps = Steps(args.quick, args.batch, args.seq)
     steps("plain")
     steps(mode)
     gc.collect()
@@ -195,7 +195,8 @@ def memory_worker(mode: str, quick: bool) -> None:
 
 
 def measure_memory(mode: str, args: argparse.Namespace) -> Optional[float]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_memory", mode, "--threads", str(args.threads)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--_memory", mode, "--threads", str(args.threads),
+           "--batch", str(args.batch), "--seq", str(args.seq)]
     if args.quick:
         cmd.append("--quick")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MALLOC_MMAP_THRESHOLD_="131072",
@@ -214,20 +215,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of the step modes")
     parser.add_argument("--diagnose-repeats", type=int, default=3, help="timed rounds of the diagnoses")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per batch (default 8)")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--_memory", dest="memory", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.memory:
-        memory_worker(args.memory, args.quick)
+        memory_worker(args.memory, args)
         return 0
-    steps = Steps(args.quick)
+    steps = Steps(args.quick, args.batch, args.seq)
     times = time_modes(steps, 2 if args.quick else args.repeats, 1 if args.quick else args.diagnose_repeats)
     plain = statistics.median(times["plain"])
     ratio = {m: statistics.median(v) / plain for m, v in times.items() if v}
-    print(f"torch {torch.__version__}, {args.threads} thread(s), CPU float16; plain step {plain * 1e3:.1f} ms "
-          "(process time, median)")
+    print(f"torch {torch.__version__}, {args.threads} thread(s), CPU float16, batch {args.batch} x {args.seq} "
+          f"tokens; plain step {plain * 1e3:.1f} ms (process time, median)")
     for mode in (*STEP_MODES[1:], *DIAGNOSE_MODES):
         report = steps.reports.get(mode)
         passes_run = f", {len(report.run.passes)} passes, verdict {report.verdict}" if report is not None else ""

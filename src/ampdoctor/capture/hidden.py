@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..records import LOSS, OpOverflow
 from .stats import INTERNAL, measuring
-from .zoom import user_location
+from .zoom import innermost_user_line
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -296,9 +296,11 @@ class HiddenWatch(TorchFunctionMode):
         """A flagged op on the re-run: count its non-finite elements, and those it made (elementwise arithmetic:
         not where an operand was non-finite or at the format's max: mask arithmetic), and find its line."""
         o = out.detach()
+        node.counts = len(self.values)
         finite = torch.isfinite(o)
-        made = ~finite
+        self.values.append(torch.count_nonzero(finite))
         if node.category == ARITH:
+            made = finite.logical_not_()  # reuses the mask: one temporary of o's size in bytes
             limit = torch.finfo(o.dtype).max
             operands = list(args[:2]) + [v for k, v in kwargs.items() if k == "other"]
             for i, a in enumerate(operands):
@@ -306,13 +308,15 @@ class HiddenWatch(TorchFunctionMode):
                     continue  # ``x += y``: x's old values are gone (it is the output)
                 if isinstance(a, torch.Tensor):
                     a = a.detach()
-                    made &= torch.isfinite(a) & (a.abs() < limit)
+                    made &= torch.isfinite(a)
+                    made &= a.abs() < limit
                 elif isinstance(a, (int, float)) and not (math.isfinite(a) and abs(a) < limit):
                     made.zero_()
-        node.counts = len(self.values)
-        self.values.append(torch.count_nonzero(finite))
-        self.values.append(torch.count_nonzero(made))
-        node.location = user_location()
+            self.values.append(torch.count_nonzero(made))
+        else:  # every non-finite element was made (the op's inputs were finite)
+            self.values.append(o.numel() - self.values[-1])
+        del finite
+        node.location = innermost_user_line()
 
     # -- the readback ---------------------------------------------------------------------------------------
     def queue(self, collector: Any) -> None:
