@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 import ampdoctor
 from ampdoctor.analysis import NOT_VISIBLE, hidden_overflows
+from ampdoctor.cli.main import main
 from ampdoctor.records import PassTrace
 from ampdoctor.report import Report
 
@@ -388,3 +390,52 @@ def test_the_occurrence_index_finds_the_same_op_again() -> None:
     with torch.autocast("cpu", dtype=torch.float16), counter:
         TwoMatmuls()(torch.full((4,), 2.0))
     assert counter.seen == [("matmul", False), ("matmul", True)]  # the k-th matmul is the one that overflows
+
+
+FACTORY = '''
+import math
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4, bias=False)
+        self.k = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        q, k = self.q(x), self.k(x)
+        scores = q @ k.transpose(-2, -1)
+        return torch.softmax(scores / math.sqrt(4), dim=-1) @ q
+
+
+def build():
+    model = nn.Sequential(Attn(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].q.weight.copy_(torch.eye(4))
+        model[0].k.weight.copy_(-torch.eye(4))
+    return model
+'''
+
+
+def test_the_cli_exits_1_and_writes_the_hidden_overflow_in_its_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "hidden_factory_for_cli.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hidden_factory_for_cli
+
+    torch.save(hidden_factory_for_cli.build().state_dict(), tmp_path / "ckpt.pt")
+    torch.save(tokens(300, 300, 10, 1) / 1000, tmp_path / "batch.pt")  # the checkpoint's q and k: identity, -identity
+    argv = ["diagnose", "ckpt.pt", "--model", "hidden_factory_for_cli:build", "--batch", "batch.pt",
+            "--format", "json", "-o", "out.json", "-q"]
+    assert main(argv) == 0  # 1/1000 of the tokens: nothing overflows
+    torch.save(tokens(300, 300, 10, 1), tmp_path / "batch.pt")
+    assert main(argv) == 1
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["exit_code"] == 1
+    assert [(h["module"], h["op"], h["count"], h["hidden_by"]) for h in data["findings"]["hidden"]] == [
+        ("0", "matmul", 4, "softmax")
+    ]
