@@ -165,6 +165,28 @@ class _Node:
         self.location: Any = None
 
 
+class Paused:
+    """``with watch.paused:`` takes the watch off the mode stack for the block when it is on top (ampdoctor's
+    own hooks: their many tensor reads then cost no trip through the mode), and puts it back. Reentrant."""
+
+    __slots__ = ("watch", "_popped")
+
+    def __init__(self, watch: HiddenWatch) -> None:
+        self.watch = watch
+        self._popped: list[bool] = []
+
+    def __enter__(self) -> None:
+        depth = torch._C._len_torch_function_stack()
+        top = depth > 0 and torch._C._get_function_stack_at(depth - 1) is self.watch
+        if top:
+            torch._C._pop_torch_function_stack()
+        self._popped.append(top)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._popped.pop():
+            torch._C._push_on_torch_function_stack(self.watch)
+
+
 class HiddenWatch(TorchFunctionMode):
     """The forward-only mode (see the module docstring). ``recorder`` says which module call is running
     (:class:`~ampdoctor.capture.hooks.Recorder`); ``targets`` are (module, call, op, occurrence) keys of ops to
@@ -175,11 +197,15 @@ class HiddenWatch(TorchFunctionMode):
         self.recorder = recorder
         self.targets = targets
         self.nodes: list[_Node] = []
-        self.values: list[torch.Tensor] = []  # 0-d device tensors, read back with the pass's statistics
+        # 0-d device tensors, or (min, max) pairs of them as aminmax returns them (kept whole: unpacking each
+        # costs more than the reduction on small tensors); read back with the pass's statistics.
+        self.values: list[Any] = []
+        self._count = 0  # values queued, pairs counted as two
         self.error: Optional[str] = None
         self._where: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, ...]]] = {}
         self._occurrences: dict[tuple[Optional[int], str], int] = {}
         self._queued: list[tuple[int, list[int]]] = []  # (collector vector, positions in values)
+        self.paused = Paused(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -271,14 +297,13 @@ class HiddenWatch(TorchFunctionMode):
         return (node_id,)
 
     def _measure(self, node: _Node, tensors: list[torch.Tensor]) -> None:
-        node.first = len(self.values)
+        node.first = self._count
         node.outputs = len(tensors)
         node.dtype = _NAMES.get(tensors[0].dtype) or str(tensors[0].dtype).replace("torch.", "")
         node.numel = tensors[0].numel()
         for t in tensors:
-            low, high = torch.aminmax(t.detach())  # one fused reduction; inf, -inf and NaN show in it
-            self.values.append(low)
-            self.values.append(high)
+            self.values.append(torch.aminmax(t.detach()))  # one fused reduction; inf, -inf and NaN show in it
+            self._count += 2
 
     def _remember(self, t: torch.Tensor, nodes: tuple[int, ...]) -> None:
         try:
@@ -296,7 +321,8 @@ class HiddenWatch(TorchFunctionMode):
         """A flagged op on the re-run: count its non-finite elements, and those it made (elementwise arithmetic:
         not where an operand was non-finite or at the format's max: mask arithmetic), and find its line."""
         o = out.detach()
-        node.counts = len(self.values)
+        node.counts = self._count
+        self._count += 2
         finite = torch.isfinite(o)
         self.values.append(torch.count_nonzero(finite))
         if node.category == ARITH:
@@ -323,12 +349,12 @@ class HiddenWatch(TorchFunctionMode):
         """Hand the queued values to ``collector`` (a StatsCollector) for the pass's single readback: one stacked
         vector per (device, dtype), so reading them back converts a few tensors, not one per op."""
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, v in enumerate(self.values):
+        flat = [v for entry in self.values for v in (entry if isinstance(entry, tuple) else (entry,))]
+        for i, v in enumerate(flat):
             groups.setdefault((v.device, v.dtype), []).append(i)
         with INTERNAL:
             self._queued = [
-                (collector.add_vector(torch.stack([self.values[i] for i in where])), where)
-                for where in groups.values()
+                (collector.add_vector(torch.stack([flat[i] for i in where])), where) for where in groups.values()
             ]
         self.values = []  # the collector holds them now (0-d tensors, no activation)
 

@@ -6,6 +6,7 @@ raise inside the user's forward or backward: they record the failure, and the pa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import weakref
@@ -138,6 +139,8 @@ class Recorder:
         self.uncaptured: list[str] = []  # re-run calls that could not be matched to their original call
         self._stash: list[tuple[int, str, torch.Tensor]] = []
         self._stashed = 0
+        # The hidden-overflow watch's pause (capture.hidden.Paused), set by the pass that installs the watch.
+        self.paused: Any = _NOT_PAUSED
 
     # install / remove
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
@@ -209,11 +212,12 @@ class Recorder:
 
     # forward
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        with INTERNAL:  # the hook's own tensor reads are not the model's ops (op zoom, hidden-overflow watch)
+        # The hook's own tensor reads are not the model's ops (op zoom, hidden-overflow watch, which steps aside)
+        with INTERNAL, self.paused:
             self._enter(module, args, kwargs)
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        with INTERNAL:
+        with INTERNAL, self.paused:
             self._exit(module, args, kwargs, output)
 
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -347,6 +351,7 @@ class Recorder:
         self._stashed = 0
 
 
+_NOT_PAUSED = contextlib.nullcontext()
 _ZEROS: dict[tuple[torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
 
 

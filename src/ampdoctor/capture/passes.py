@@ -197,6 +197,8 @@ class _Step:
         self.loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
         # Ops that make inf/NaN from finite inputs, hidden later or not: watched in every low-precision forward.
         self.hidden = HiddenWatch(self.recorder, hidden) if autocast else None
+        if self.hidden is not None:
+            self.recorder.paused = self.hidden.paused
         self.back_zoom = BackwardZoom() if backward_zoom else None
         self.contexts = contextlib.ExitStack()
         self.output: Any = None
