@@ -43,6 +43,7 @@ from torch import nn
 
 import ampdoctor
 import ampdoctor.capture.passes as passes
+from ampdoctor.capture.options import PassOptions
 from ampdoctor.capture.passes import PassSpec, run_pass
 
 SCALE = 2.0**16
@@ -143,7 +144,7 @@ class Steps:
             model.zero_grad(set_to_none=True)
         elif mode in ("survey", "survey-off"):
             with watch_off() if mode == "survey-off" else contextlib.nullcontext():
-                run_pass(self.spec, SCALE, detailed=False, histograms=True)
+                run_pass(self.spec, SCALE, PassOptions(histograms=1))
         elif mode in DIAGNOSE_MODES:
             if mode == "diagnose-hidden":
                 model, batch = self.hidden

@@ -237,7 +237,7 @@ def _survey_overflows_trace(model: nn.Module, batch: torch.Tensor) -> PassTrace:
         dtype=torch.float16,
         backward=False,
     )
-    trace, _ = run_pass(spec, 1.0, detailed=False)
+    trace, _ = run_pass(spec, 1.0)
     assert all(not o.classified and o.count is None for o in trace.op_overflows)
     return trace
 
@@ -439,3 +439,21 @@ def test_the_cli_exits_1_and_writes_the_hidden_overflow_in_its_json(
     assert [(h["module"], h["op"], h["count"], h["hidden_by"]) for h in data["findings"]["hidden"]] == [
         ("0", "matmul", 4, "softmax")
     ]
+
+
+class DropoutScaling(nn.Module):
+    """Dropout in training scales what it keeps by 1/(1-p): 40000 * 2 = 80000 -> inf in float16 for every kept
+    element (made by dropout, not a view of its input); the clamp hides them (Pegasus' fp16 clamp, for one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = torch.nn.functional.dropout(x.half(), p=0.5, training=True)
+        return kept.clamp(-1.0, 1.0)
+
+
+def test_dropout_scaling_that_overflows_is_made_by_dropout() -> None:
+    torch.manual_seed(0)
+    kept = int(torch.count_nonzero(torch.nn.functional.dropout(torch.ones(64, dtype=torch.float16), 0.5, True)))
+    torch.manual_seed(0)  # diagnose replays the dropout masks drawn from the RNG state it starts in
+    report = diagnose(DropoutScaling(), torch.full((64,), 40000.0))
+    assert 0 < kept < 64
+    assert [(h.op, h.count, h.hidden_by) for h in report.findings.hidden] == [("dropout", kept, "clamp")]

@@ -8,7 +8,6 @@ and window, through a runner callback),
 
 from .analyze import analyze
 from .findings import (
-    VERDICTS,
     Divergence,
     Findings,
     Growth,
@@ -27,7 +26,6 @@ from .hidden import NOT_VISIBLE, HiddenOverflow, hidden_overflows
 from .origin import backward_origin, classify, forward_creators, forward_origin, is_fill_mask, is_mask, origin_event
 
 __all__ = [
-    "VERDICTS",
     "Divergence",
     "Findings",
     "Growth",

@@ -57,10 +57,10 @@ _VIEW_OPS = frozenset(
         "select", "as_strided", "repeat", "repeat_interleave", "tile", "roll", "flip", "unfold", "diagonal",
         "T", "mT", "H", "mH", "data", "real", "imag", "_base", "grad", "requires_grad", "broadcast_to",
         "broadcast_tensors", "atleast_1d", "atleast_2d", "atleast_3d", "view_as_real", "view_as_complex",
-        "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "take_along_dim", "dropout", "alpha_dropout",
-        "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "identity",
+        "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "take_along_dim", "identity",
     }
 )
+# Not views: dropout scales what it keeps by 1/(1-p) in training (64992 / 0.9 -> inf in float16), so it is MAKE.
 _SELECT_OPS = frozenset(
     {
         "masked_fill", "where", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
