@@ -103,7 +103,7 @@ def test_attention_scores_before_scaling_are_a_hidden_overflow_with_module_op_li
     data = json.loads(report.to_json())
     assert data["verdict"] == "hidden_overflow" and data["exit_code"] == 1 and data["schema_version"] == "1.2"
     assert data["findings"]["hidden"][0]["count"] == 4
-    assert Report.from_json(report.to_json()) == report
+    assert Report.from_json(report.to_json(absolute_paths=True)) == report
 
 
 def test_the_same_attention_on_small_inputs_reports_no_hidden_overflow() -> None:

@@ -128,13 +128,6 @@ def test_mha_fully_masked_row_is_nan_under_the_cuda_policy_too() -> None:
     assert origin.op is not None and origin.op.op == "aten::_softmax" and origin.op.output_dtype == "float32"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (misleading note): the origin's policy_note says 'on CUDA `softmax` runs in float32: this NaN "
-    "is specific to the CPU policy', but softmax of an all -inf row is NaN in float32 too (the float32 forward "
-    "and policy='cuda' both give it, and the report's own fallback evidence says 'attn stays the origin even in "
-    "float32'). The note is decided from the op's name alone, not from whether float32 removes the NaN.",
-)
 def test_mha_fully_masked_row_note_does_not_blame_the_cpu_policy() -> None:
     model, batch, kwargs = cases.mha_fully_masked_row()
     report = _diagnose(model, batch, **kwargs)
@@ -448,14 +441,6 @@ def test_t5_half_gated_ffn_names_wo_and_its_mm(t5_half: Any) -> None:
 
 
 @pytest.mark.slow  # a second T5 diagnosis (~5 s on a loaded 2-core machine)
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (remedy crashes): on a model whose weights are stored in float16 (model.half(), "
-    "torch_dtype=float16), the fp32_fallback of the origin casts the inputs to float32 but leaves the module's "
-    "float16 weights as they are; the verification re-run raises 'expected m1 and m2 to have the same dtype, but "
-    "got: float != c10::Half' and the recommendation still ships the ampdoctor.fp32_fallback(model, [...]) snippet, "
-    "which raises the same error in the user's training.",
-)
 def test_t5_half_fp32_fallback_of_wo_is_verified(t5_half: Any) -> None:
     model, batch, kwargs = t5_half
     report = _diagnose(model, batch, **kwargs)
@@ -614,13 +599,6 @@ def test_cpu_only_nans_are_absent_under_the_cuda_policy(case: str) -> None:
     assert cuda.forward_origin is None, cuda.to_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (missing note): the forward NaN of F.normalize (pytorch#32137) and of BertLayerNorm's eps "
-    "(pytorch#41527) happens only because CPU autocast keeps the norm / pow in float16 (policy='cuda' is free of it, "
-    "test above), but the origin's policy_note is empty: the note is decided from the named op (aten::div, the "
-    "same on both policies) alone, not from the ops whose policy differs upstream of it in the same call.",
-)
 @pytest.mark.parametrize("case", sorted(CPU_ONLY_NANS))
 def test_cpu_only_nans_carry_the_policy_note(case: str) -> None:
     model, batch, kwargs = getattr(cases, case)()

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ._version import __version__
-from .analysis import ScaleFinding, ScaleWindow, UnderflowFinding, analyze, forward_origin, near_limit
+from .analysis import Findings, ScaleFinding, ScaleWindow, UnderflowFinding, analyze, forward_origin, near_limit
+from .analysis.policy_check import checked_policy_notes
 from .analysis.scale import Runner, measure_window, probe_scales, underflow_reference
 from .autocast_ops import autocast_note
 from .capture.checks import (
@@ -259,6 +260,8 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
     )
     cpu_policy = spec.policy == "native" and spec.device_type == "cpu"
     findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy)
+    if cpu_policy:
+        findings = _check_policy_notes(session, findings, modules, final.scale)
     recommendations = recommend(findings, run_info, modules)
     if options.verify and recommendations:
         recommendations = _verify(
@@ -266,6 +269,21 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
         )
     run_info = dataclasses.replace(run_info, passes=tuple(session.log))
     return Report(run_info, tuple(modules), final, findings, tuple(recommendations))
+
+
+def _check_policy_notes(session: Session, findings: Findings, modules: list[ModuleInfo], at_scale: float) -> Findings:
+    """Decide the CPU-policy notes of the origins from the same step re-run under CUDA's policy (emulated): one
+    forward for a forward origin, a forward and backward for a backward origin whose op CUDA runs differently.
+    When that pass cannot run, the notes stay as worded from the op's name ("diagnose with the CUDA policy")."""
+    fwd, bwd = findings.forward_origin, findings.backward_origin
+    if fwd is None and (bwd is None or not bwd.policy_note):
+        return findings
+    if fwd is not None and fwd.module == BATCH:
+        return findings
+    variant = dataclasses.replace(session.spec, policy="cuda_emulated", backward=fwd is None)
+    check = lambda: session.run(at_scale, variant=variant)  # noqa: E731
+    cuda = session.optional("CUDA-policy check", check, None)
+    return findings if cuda is None else checked_policy_notes(findings, cuda, modules)
 
 
 def _cost_notes(

@@ -232,6 +232,10 @@ def short_op(op: str) -> str:
     return name.split("::", 1)[1].split(".", 1)[0]
 
 
+# The end of a note worded from the op's name alone; a CUDA-policy re-run replaces it by what it showed.
+CUDA_POLICY_HINT = "diagnose with the CUDA policy to see what CUDA does"
+
+
 def cpu_policy_finding_note(op: str, kind: str = "overflow", direction: str = "forward") -> Optional[str]:
     """The note a CPU-policy finding carries when CUDA would run its op in float32 (issue 12 item 2), else None.
 
@@ -244,10 +248,7 @@ def cpu_policy_finding_note(op: str, kind: str = "overflow", direction: str = "f
     name = short_op(op)
     subject = f"the backward of `{name}`" if direction == "backward" else f"`{name}`"
     unless = " (unless its caller passes a dtype)" if policy == "fp32_if_dtype" else ""
-    return (
-        f"on CUDA {subject} runs in float32{unless}: this {kind} is specific to the CPU policy; diagnose with "
-        "the CUDA policy to see what CUDA does"
-    )
+    return f"on CUDA {subject} runs in float32{unless}: this {kind} is specific to the CPU policy; {CUDA_POLICY_HINT}"
 
 
 def policy_differences() -> dict[str, tuple[Policy, Policy]]:

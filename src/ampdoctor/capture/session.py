@@ -48,12 +48,19 @@ class Session:
         self.survey: Optional[PassTrace] = None  # the first pass, for memory estimates
 
     def run(
-        self, at_scale: float, options: PassOptions = PLAIN_PASS, dtype: Optional[torch.dtype] = None
+        self,
+        at_scale: float,
+        options: PassOptions = PLAIN_PASS,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        variant: Optional[PassSpec] = None,
     ) -> PassTrace:
-        """One pass at ``at_scale`` measuring what ``options`` asks for, in ``dtype`` (default: the spec's)."""
-        spec = self.spec if dtype is None else dataclasses.replace(self.spec, dtype=dtype)
+        """One pass at ``at_scale`` measuring what ``options`` asks for, in ``dtype`` (default: the spec's);
+        ``variant``: a variant of the session's spec to run instead (another autocast policy, no backward)."""
+        spec = variant or self.spec
+        spec = spec if dtype is None else dataclasses.replace(spec, dtype=dtype)
         record = PassRecord(self.purpose, at_scale, dtype_name(spec.dtype) if options.autocast else "float32")
-        survey_level = dtype is None and options.survey_level
+        survey_level = dtype is None and variant is None and options.survey_level
         # The graph is kept for the probes at other scales only; a verification re-run drops it at once.
         keep = survey_level and self.purpose in _PROBING
         self._check_memory(record, options.detailed, options.autocast, survey_level)

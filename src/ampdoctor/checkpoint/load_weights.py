@@ -13,8 +13,8 @@ from ..capture.progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
 from ..records import FrozenMap
 from ..report.inert import inert
-from .listing import list_checkpoint
-from .safe_load import SafetensorsMapping, is_malicious, load_file, refusal
+from .formats import DcpTree, checkpoint_entries, load_entry
+from .safe_load import SafetensorsMapping, is_malicious, refusal
 from .scan import _MAX_DEPTH, is_optimizer_state, is_scaler_state, join_key, number
 
 if TYPE_CHECKING:
@@ -47,6 +47,10 @@ def _tensor_mappings(obj: Any, depth: int = 0) -> Iterator[Mapping[str, Any]]:
         return
     if isinstance(obj, SafetensorsMapping):
         yield obj
+        return
+    if isinstance(obj, DcpTree):  # its levels holding tensors, known from the metadata: nothing is read here
+        skip = lambda tree: is_optimizer_state(tree) or is_scaler_state(tree)  # noqa: E731
+        yield from (tree.tensors_only() for tree in obj.subtrees(skip) if tree.tensor_keys())
         return
     if isinstance(obj, Mapping):
         if is_optimizer_state(obj) or is_scaler_state(obj):
@@ -128,7 +132,7 @@ def load_weights(
     if trust and not unsafe_load:
         raise InvalidInput("trust= admits globals only when loading with unsafe_load=True (CLI: --unsafe-load)")
     root = Path(path)
-    listing = list_checkpoint(root)
+    listing = checkpoint_entries(root)
     files = listing.files
     own = model.state_dict()
     wanted = set(own)
@@ -144,7 +148,7 @@ def load_weights(
     for file in files:  # first round: check every file, load nothing
         shown.detail(inert(file.name))
         try:
-            loaded = load_file(file, allow_globals, unsafe_load, trust)
+            loaded = load_entry(file, allow_globals, unsafe_load, trust)
         except CheckpointRefused as refused:
             if not root.is_dir() or is_malicious(refused):
                 raise
@@ -198,7 +202,9 @@ def load_weights(
     shown.stage("loading the weights", total=len(used))
     for name in used:  # second round: everything fits; load one file at a time
         shown.detail(inert(name))
-        loaded = load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load, trust)
+        loaded = load_entry(
+            root / name if root.is_dir() and name != root.name else root, allow_globals, unsafe_load, trust
+        )
         part, _ = _best_state_dict(loaded.obj, wanted)
         del loaded
         with torch.no_grad():
@@ -235,7 +241,7 @@ def _find_scaler(obj: Any, name: str = "", depth: int = 0) -> Optional[tuple[flo
             return None if scale is None else (scale, name)
         if is_optimizer_state(obj) or isinstance(obj, SafetensorsMapping):
             return None
-        items: Iterable[tuple[Any, Any]] = obj.items()
+        items: Iterable[tuple[Any, Any]] = obj.branches() if isinstance(obj, DcpTree) else obj.items()
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
     else:

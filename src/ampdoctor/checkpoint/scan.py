@@ -30,7 +30,8 @@ from ..records.scan import (
 )
 from ..report.inert import inert
 from ..report.scan_report import ScanReport
-from .listing import Listing, list_checkpoint
+from .formats import checkpoint_entries, entry_size, load_entry
+from .listing import Listing
 from .safe_load import NotACheckpoint, classify_global, first_line, is_malicious, load_file, refusal
 
 if TYPE_CHECKING:
@@ -269,7 +270,7 @@ def _scan_file(
     path: Path, label: str, allow_globals: Sequence[str], unsafe_load: bool, trust: Sequence[str], progress: Progress
 ) -> _Found:
     """Load, measure and let go of one file: its tensors are unreachable when this returns."""
-    loaded = load_file(path, allow_globals, unsafe_load, trust)
+    loaded = load_entry(path, allow_globals, unsafe_load, trust, load_file)
     scan = _FileScan(label, loaded.locations, progress)
     try:
         scan.visit(loaded.obj)
@@ -286,7 +287,7 @@ def _scan_file(
     info = ScannedFile(
         name=label,
         format=fmt,
-        size_bytes=path.stat().st_size,
+        size_bytes=entry_size(path),
         tensors=len(tensors),
         memory_mapped=mapped,
         saved_on=FrozenMap(_count_locations(tensors)),
@@ -319,8 +320,10 @@ def scan(
     """Scan a saved checkpoint for values that break mixed precision; no model code is needed.
 
     Args:
-        path: a ``torch.save``d state dict or training checkpoint (model / optimizer / scaler, nested), a
-            ``.safetensors`` file, or a directory of such files (shards; read one at a time).
+        path: a ``torch.save``d state dict or training checkpoint (model / optimizer / scaler, nested; a
+            Lightning ``.ckpt``), a ``.safetensors`` file, a directory of such files (shards, a Hugging Face
+            sharded folder, an Accelerate ``save_state`` folder; read one at a time), or a
+            ``torch.distributed.checkpoint`` folder (read one tensor at a time, no process group).
         dtype: the autocast format the verdict is about: ``"float16"`` (default) or ``"bfloat16"``. Counts for
             both are always reported. Tensors stored in float8 are judged against their own format.
         allow_globals: names such as ``"argparse.Namespace"`` to allow in ``torch.load(weights_only=True)``; a
@@ -347,7 +350,7 @@ def scan(
     if trust and not unsafe_load:
         raise InvalidInput("trust= admits globals only when loading with unsafe_load=True (CLI: --unsafe-load)")
     root = Path(path)
-    listing = list_checkpoint(root)
+    listing = checkpoint_entries(root)
     files = listing.files
     shown = progress or NO_PROGRESS
     import torch

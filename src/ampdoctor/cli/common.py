@@ -43,13 +43,9 @@ def render(report: Report, fmt: str) -> str:
     if fmt == "json":
         return report.to_json(indent=2)
     if fmt == "markdown":
-        from ..report.markdown import render_markdown
-
-        return render_markdown(report)
+        return report.to_markdown()
     if fmt == "html":
-        from ..report.html import render_html_page
-
-        return render_html_page(report)
+        return report.to_html()
     return report.to_text()
 
 

@@ -39,7 +39,12 @@ def add_scan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
         epilog="Exit status: 0 healthy (or warnings only), 1 findings, 2 usage or input error (a refused, corrupt "
         "or non-checkpoint file included).",
     )
-    parser.add_argument("path", metavar="PATH", help="checkpoint file or directory of shards")
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="checkpoint file (.pt, .bin, .ckpt, .safetensors), folder of shards (Hugging Face, Accelerate "
+        "save_state), or torch.distributed.checkpoint folder (.metadata + *.distcp)",
+    )
     parser.add_argument(
         "--dtype",
         choices=["float16", "bfloat16"],

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, Callable, Optional
 
@@ -10,16 +11,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..capture.dtypes import model_device_type, upcast
+from ..capture.dtypes import LOW_DTYPES, model_device_type, upcast
 from ..capture.model import find_module, unwrap_model
 
 
 class Fp32Fallback:
     """Runs the named modules with autocast disabled and their low-precision floating inputs cast to float32.
 
-    Use as a context manager, or keep the handle and call ``remove()``; either way the modules' ``forward``
-    attributes are put back exactly as they were (an instance attribute is restored, a class method is
-    uncovered again). Parameters and hooks are not touched.
+    Parameters stored in a low precision (``model.half()``, ``torch_dtype=float16``) are cast too, at run time and
+    for the forward call only: the module sees float32 copies (on the autograd graph, so the stored parameters
+    still get their gradients, in their own dtype), and its own parameters are back in place when the call
+    returns or raises. Use as a context manager, or keep the handle and call ``remove()``; either way the modules'
+    ``forward`` attributes are put back exactly as they were (an instance attribute is restored, a class method is
+    uncovered again). Parameters and hooks are never replaced for longer than one call.
     """
 
     def __init__(self, model: nn.Module, modules: Iterable[str]) -> None:
@@ -38,7 +42,7 @@ class Fp32Fallback:
     @staticmethod
     def _wrap(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         def fp32_forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(model_device_type(module, (args, kwargs)), enabled=False):
+            with torch.autocast(model_device_type(module, (args, kwargs)), enabled=False), _fp32_params(module):
                 return forward(*tree_map(upcast, args), **tree_map(upcast, kwargs))
 
         fp32_forward.__wrapped__ = forward  # type: ignore[attr-defined]
@@ -59,6 +63,29 @@ class Fp32Fallback:
         self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
         self.remove()
+
+
+@contextlib.contextmanager
+def _fp32_params(module: nn.Module) -> Iterator[None]:
+    """For the duration of one call: the module's low-precision parameters (its submodules' too) replaced in their
+    modules' parameter tables by float32 copies on the graph (a tied parameter gets one copy); the stored
+    ``Parameter`` objects are put back afterwards, untouched."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    copies: dict[int, torch.Tensor] = {}
+    try:
+        for owner in module.modules():
+            for name, param in list(owner._parameters.items()):
+                if param is None or param.dtype not in LOW_DTYPES:
+                    continue
+                copy = copies.get(id(param))
+                if copy is None:
+                    copy = copies[id(param)] = param.float()
+                swapped.append((owner, name, param))
+                owner._parameters[name] = copy  # type: ignore[assignment]
+        yield
+    finally:
+        for owner, name, param in reversed(swapped):
+            owner._parameters[name] = param
 
 
 def fp32_fallback(model: nn.Module, modules: Iterable[str]) -> Fp32Fallback:

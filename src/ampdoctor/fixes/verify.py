@@ -211,7 +211,14 @@ def verify_recommendations(
             out.append(_verify_one(ctx, findings, rec, origin, check_scale))
         except Exception as exc:  # a re-run that cannot run (float16-only kernel, out of memory): say so
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-            out.append(dataclasses.replace(rec, verified=False, evidence=f"the verification re-run failed ({reason})"))
+            # Never offered as if it worked: the snippet would raise the same error in the user's training.
+            out.append(dataclasses.replace(
+                rec,
+                title=f"not offered: {rec.title} (its verification re-run raised)",
+                snippet=f"# not offered: re-running the step with this remedy raised {reason}",
+                verified=False,
+                evidence=f"the verification re-run failed ({reason})",
+            ))
     # A fix of the code that made the value (a mask constant, the loss, the batch) stays first; the alternatives
     # (fallback, loss scale, bfloat16, keep_in_fp32) follow by what the re-runs proved: verified, untested, failed.
     return sorted(out, key=lambda r: (r.action not in _CODE_FIXES, 0 if r.verified else (2 if r.evidence else 1)))

@@ -28,7 +28,8 @@ Severity = Literal["error", "warning", "note"]
 ScanVerdict = Literal["healthy", "overflow", "nan", "underflow", "incomplete"]
 FindingVerdict = Literal["overflow", "nan", "underflow"]
 Role = Literal["weights", "optimizer", "scaler"]  # "weights": anything outside an optimizer or a scaler
-FileFormat = Literal["torch", "torch-legacy", "safetensors", "unknown"]  # "unknown": a file that was not read
+FileFormat = Literal["torch", "torch-legacy", "safetensors", "dcp", "unknown"]  # dcp: a torch.distributed.checkpoint
+# folder; unknown: a file that was not read
 FindingKind = Literal[
     "nonfinite",  # weight or GradScaler tensors hold inf/NaN (``role`` says which)
     "beyond_range",  # weight values that become inf when cast to the target format
