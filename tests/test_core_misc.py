@@ -38,7 +38,7 @@ def test_demo_report_names_the_attention_and_its_matmul(demo_report: ampdoctor.R
 def test_json_round_trip_and_schema(demo_report: ampdoctor.Report) -> None:
     text = demo_report.to_json()
     data = json.loads(text)  # strict JSON: non-finite floats are strings
-    assert data["schema_version"] == "1.1"
+    assert data["schema_version"] == "1.2"
     again = ampdoctor.Report.from_json(text)
     assert again.to_json() == text  # (== on the dataclasses is False: NaN != NaN)
     assert again.forward_origin is not None and again.forward_origin.label == DEMO_ORIGIN

@@ -42,7 +42,7 @@ def _diagnose(model: nn.Module, batch: Any, **kwargs: Any) -> ampdoctor.Report:
     before = snapshot(model)
     report = ampdoctor.diagnose(model, batch, **kwargs)
     assert_untouched(model, before)
-    assert ampdoctor.Report.from_json(report.to_json()) == report
+    assert ampdoctor.Report.from_json(report.to_json(absolute_paths=True)) == report
 
     def plain_forward() -> None:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):

@@ -219,6 +219,7 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
         or scale_finding is not None
         or (underflow is not None and underflow.share >= UNDERFLOW_VERDICT_SHARE)
         or near_limit(survey, modules, limits)
+        or survey.op_overflows  # counted, classified per element and located by the detailed re-run
     ):
         zoom = None
         if origin is not None and origin.module != BATCH:

@@ -1,7 +1,8 @@
 """Pure analysis of recorded passes (no torch: a test checks it; it works on a report loaded from JSON).
 
 ``findings`` (the records analysis produces), ``origin`` (forward/backward origins, masks, propagation),
-``headroom``, ``underflow``, ``precision``, ``scale`` (loss-scale probes and window, through a runner callback),
+``headroom``, ``hidden`` (overflows a later op hid), ``underflow``, ``precision``, ``scale`` (loss-scale probes
+and window, through a runner callback),
 ``analyze`` (everything together).
 """
 
@@ -21,12 +22,15 @@ from .findings import (
     WindowProbe,
 )
 from .headroom import headroom_bits, near_limit
+from .hidden import NOT_VISIBLE, HiddenOverflow, hidden_overflows
 from .origin import backward_origin, classify, forward_creators, forward_origin, is_fill_mask, is_mask, origin_event
 
 __all__ = [
     "Divergence",
     "Findings",
     "Growth",
+    "HiddenOverflow",
+    "NOT_VISIBLE",
     "NearLimit",
     "Origin",
     "PrecisionFinding",
@@ -42,6 +46,7 @@ __all__ = [
     "forward_creators",
     "forward_origin",
     "headroom_bits",
+    "hidden_overflows",
     "is_fill_mask",
     "is_mask",
     "near_limit",

@@ -18,6 +18,7 @@ from ..records import (
 from ..thresholds import HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
 from .findings import Findings, Origin, ScaleFinding, ScaleWindow, UnderflowFinding
 from .headroom import beyond_range_params, near_limit
+from .hidden import hidden_overflows
 from .origin import backward_origin, classify, forward_origin, not_captured, propagation
 from .precision import precision_finding
 
@@ -63,6 +64,9 @@ def analyze(
         verdict = "underflow"
     else:
         verdict = "healthy"
+    hidden = hidden_overflows(trace)
+    if hidden and verdict == "healthy":
+        verdict = "hidden_overflow"  # the only overflows are hidden: a finding, never healthy
     near = near_limit(trace, modules, limits)
     if window is not None and window.empty:
         warnings.append(
@@ -103,6 +107,7 @@ def analyze(
         warnings=tuple(warnings),
         window=window,
         precision=precision_finding(comparisons or ()),
+        hidden=hidden,
     )
 
 

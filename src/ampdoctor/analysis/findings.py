@@ -18,6 +18,7 @@ from ..records import (
     call_label,
 )
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
+from .hidden import HiddenOverflow
 
 # Ops whose non-finite result comes from a pole (log(0), 1/0), not from running out of range: "nan" verdict.
 POLE_OPS = frozenset(
@@ -203,4 +204,6 @@ class Findings:
     window: Optional[ScaleWindow] = None
     precision: Optional[PrecisionFinding] = None
     divergence: Optional[Divergence] = None  # ampdoctor.watch: a run of skipped steps that a divergence led into
+    # Ops that made inf/NaN from finite inputs inside a call whose output stayed finite: never healthy.
+    hidden: tuple[HiddenOverflow, ...] = ()
 

@@ -6,6 +6,7 @@ raise inside the user's forward or backward: they record the failure, and the pa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import weakref
@@ -17,7 +18,7 @@ from torch import nn
 from ..records import GradKind
 from .reference import FloatReference
 from .state import RngState
-from .stats import StatsCollector
+from .stats import INTERNAL, StatsCollector
 from .walk import iter_tensors
 from .zoom import OpZoom
 
@@ -138,6 +139,8 @@ class Recorder:
         self.uncaptured: list[str] = []  # re-run calls that could not be matched to their original call
         self._stash: list[tuple[int, str, torch.Tensor]] = []
         self._stashed = 0
+        # The hidden-overflow watch's pause (capture.hidden.Paused), set by the pass that installs the watch.
+        self.paused: Any = _NOT_PAUSED
 
     # install / remove
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
@@ -209,6 +212,15 @@ class Recorder:
 
     # forward
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        # The hook's own tensor reads are not the model's ops (op zoom, hidden-overflow watch, which steps aside)
+        with INTERNAL, self.paused:
+            self._enter(module, args, kwargs)
+
+    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        with INTERNAL, self.paused:
+            self._exit(module, args, kwargs, output)
+
+    def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.reference is not None and self.reference.busy:
             return  # a float32 re-run of ours: no call of the AMP forward
         if self.in_backward:
@@ -253,7 +265,7 @@ class Recorder:
         except Exception as exc:  # never raise inside the user's forward
             self.error = self.error or exc
 
-    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _exit(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.reference is not None and self.reference.busy:
             return
         if self.in_backward:
@@ -339,6 +351,7 @@ class Recorder:
         self._stashed = 0
 
 
+_NOT_PAUSED = contextlib.nullcontext()
 _ZEROS: dict[tuple[torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
 
 

@@ -156,7 +156,9 @@ class PassOptions:
     ``detailed``: every statistic instead of the survey's min/max; ``zoom``: the (module, call) the op zoom runs
     inside; ``autocast=False``: the same step in float32; ``backward_zoom``: anomaly mode and the backward op
     zoom; ``reference``: per-call float32 references (True: leaf calls; n: calls n levels down); ``histograms``:
-    binade histograms of the parameter gradients (1), and of every low-precision gradient too (2).
+    binade histograms of the parameter gradients (1), and of every low-precision gradient too (2); ``hidden``:
+    ops the survey flagged as making inf/NaN, as (module, call, op, occurrence), to count, classify per element
+    and locate on this pass (``capture.hidden``).
     """
 
     detailed: bool = False
@@ -165,6 +167,7 @@ class PassOptions:
     backward_zoom: bool = False
     reference: Union[bool, int] = False
     histograms: int = 0
+    hidden: frozenset[tuple[str, int, str, int]] = frozenset()
 
     @property
     def survey_level(self) -> bool:
@@ -175,7 +178,7 @@ class PassOptions:
         """What makes two passes' forwards the same (histograms are taken per backward)."""
         # type() keeps reference=True and reference=1 apart (True == 1 in a tuple).
         reference = (type(self.reference), self.reference)
-        return (self.detailed, self.zoom, self.autocast, self.backward_zoom, reference)
+        return (self.detailed, self.zoom, self.autocast, self.backward_zoom, reference, self.hidden)
 
 
 PLAIN_PASS = PassOptions()  # a survey-level pass without histograms

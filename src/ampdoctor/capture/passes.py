@@ -17,15 +17,26 @@ import torch
 from torch import nn
 
 from ..errors import AmpDoctorError, InternalError, InvalidInput, ModelRaised
-from ..records import LOSS, GradEvent, ModuleCall, ModuleInfo, ParamRecord, PassTrace, TensorRecord, TensorStats
+from ..records import (
+    LOSS,
+    GradEvent,
+    ModuleCall,
+    ModuleInfo,
+    OpOverflow,
+    ParamRecord,
+    PassTrace,
+    TensorRecord,
+    TensorStats,
+)
 from ..thresholds import GRADIENT_KEY
 from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
+from .hidden import HiddenWatch, watching
 from .hooks import Recorder
 from .options import PLAIN_PASS, LossFn, PassOptions
 from .reference import FloatReference
 from .state import StateGuard
-from .stats import StatsCollector
+from .stats import INTERNAL, StatsCollector
 from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
 
@@ -117,7 +128,9 @@ def run_pass(
     ``reference`` (True: leaf modules; an int n: the modules n levels down) compares each chosen call against a
     float32 re-run of that call alone; ``histograms``: binade histograms of the parameter gradients (1), and of
     every gradient held in the low precision too (2): ``share.histograms`` afterwards, by parameter name, and
-    ``GRADIENT_KEY`` + the gradient's order for the others.
+    ``GRADIENT_KEY`` + the gradient's order for the others. Every autocast forward flags the ops that make
+    inf/NaN from finite inputs (``trace.op_overflows``, :mod:`.hidden`); ``hidden`` names flagged ops (module,
+    call, op, occurrence) to count, classify and locate on this pass.
 
     With ``share``, a survey-level pass keeps its graph there (unless ``keep`` is False), and a later
     survey-level pass of the same spec at another scale runs only its backward on it; any other pass first
@@ -173,6 +186,10 @@ class _Step:
             self.float_reference = FloatReference(self.collector, depth, spec.device_type)
         self.recorder = Recorder(spec.names, modules, self.collector, spec.backward, zoom, self.float_reference)
         self.loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
+        # Ops that make inf/NaN from finite inputs, hidden later or not: watched in every low-precision forward.
+        self.hidden = HiddenWatch(self.recorder, options.hidden) if options.autocast else None
+        if self.hidden is not None:
+            self.recorder.paused = self.hidden.paused
         self.back_zoom = BackwardZoom() if options.backward_zoom else None
         self.contexts = contextlib.ExitStack()
         self.output: Any = None
@@ -225,7 +242,7 @@ class _Step:
         self.contexts.enter_context(torch.enable_grad())
         self.contexts.enter_context(_anomaly(self.backward_zoom))
         self.emulated = self.contexts.enter_context(emulation)
-        with _autocast(spec, self.autocast), writes:
+        with _autocast(spec, self.autocast), writes, watching(self.hidden):
             self.autocast_on = autocast_enabled("cpu" if spec.policy == "cuda_emulated" else spec.device_type)
             try:
                 output = call_model(spec.root, spec.batch)
@@ -245,12 +262,15 @@ class _Step:
                 with self.loss_zoom if self.loss_zoom is not None else contextlib.nullcontext():
                     loss, self.loss_source = resolve_loss(output, spec.batch, spec.loss_fn)
                     if self.loss_zoom is not None:
-                        self.loss_zoom.finish(loss)  # name the op behind the loss itself
+                        with INTERNAL:
+                            self.loss_zoom.finish(loss)  # name the op behind the loss itself
             except AmpDoctorError:
                 raise
             except Exception as exc:
                 raise ModelRaised(f"the loss raised {type(exc).__name__}: {exc}", "loss") from exc
         output_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(output, "out")]
+        if self.hidden is not None:
+            self.hidden.queue(collector)
         self.slots = (batch_slots, output_slots, collector.add(loss))
         self.output, self.loss = output, loss
 
@@ -311,11 +331,16 @@ class _Step:
         notes = tuple(
             f"the {kind} op zoom could not inspect {z.error}" for kind, z in zooms if z is not None and z.error
         )
+        overflows: tuple[OpOverflow, ...] = ()
+        if self.hidden is not None:
+            overflows = self.hidden.records(self.hidden.read_values(self.collector), recorder.calls)
+            if self.hidden.error:
+                notes += (f"the hidden-overflow watch could not inspect {self.hidden.error}",)
         if self.emulated is not None:
             notes += tuple(self.emulated.notes())
         self.first = dataclasses.replace(
             trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
-            autocast=self.autocast_on,
+            autocast=self.autocast_on, op_overflows=overflows,
         )
         return self.first
 

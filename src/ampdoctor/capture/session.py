@@ -14,6 +14,7 @@ import torch
 from ..errors import OutOfMemory
 from ..records import PassRecord, PassTrace
 from .dtypes import dtype_name
+from .hidden import targets_of
 from .memory import describe, is_out_of_memory, pass_estimate
 from .options import PLAIN_PASS, PassOptions, ProgressFn, ProgressOption
 from .passes import PassSpec, SharedForward, run_pass
@@ -67,7 +68,9 @@ class Session:
             self.progress(self.purpose, len(self.log), None)
         start = time.perf_counter()
         try:
-            trace, source = run_pass(spec, at_scale, options, self.guard, share=self.share, keep=keep)
+            trace, source = run_pass(
+                spec, at_scale, self._with_targets(options, dtype), self.guard, share=self.share, keep=keep
+            )
         except Exception as exc:
             self.share.release()
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
@@ -82,6 +85,13 @@ class Session:
         if self.survey is None:
             self.survey = trace
         return trace
+
+    def _with_targets(self, options: PassOptions, dtype: Optional[torch.dtype]) -> PassOptions:
+        """A detailed re-run counts, classifies and locates the ops the survey flagged (same forward, same ops
+        in the same order): ``options`` with those ``hidden`` targets."""
+        if not options.detailed or dtype is not None or self.survey is None or not self.survey.op_overflows:
+            return options
+        return dataclasses.replace(options, hidden=targets_of(self.survey.op_overflows))
 
     def _check_memory(self, record: PassRecord, detailed: bool, autocast: bool, survey_level: bool) -> None:
         """Skip a pass whose estimated peak (from the survey's records) exceeds the memory limit."""

@@ -77,6 +77,22 @@ def measuring() -> bool:
     return getattr(_internal, "depth", 0) > 0
 
 
+class Internal:
+    """``with INTERNAL:`` marks ampdoctor's own work (hooks, statistics): :func:`measuring` is True inside, so
+    the op zooms and the hidden-overflow watch pass its ops over. Reentrant; no allocation per use."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _internal.depth = getattr(_internal, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _internal.depth -= 1
+
+
+INTERNAL = Internal()
+
+
 def chunks(x: torch.Tensor, size: int = CHUNK) -> Iterator[torch.Tensor]:
     """``x`` flattened, in pieces of at most ``size`` elements; only a non-contiguous piece is ever copied."""
     if x.is_contiguous() or x.numel() <= size:
@@ -112,6 +128,9 @@ class StatsCollector:
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int]] = {}
         self._value_groups: list[tuple[torch.device, int, int]] = []
         self._values: dict[torch.device, list[torch.Tensor]] = {}
+        self._vectors: dict[torch.device, list[torch.Tensor]] = {}
+        self._vector_slots: list[tuple[torch.device, int, int]] = []
+        self.vectors: list[list[float]] = []  # in add_vector order, after read()
         self.values: list[list[float]] = []
         self.histograms: list[list[float]] = []  # counts (as exact floats), in add_histogram order
         self.readbacks = 0
@@ -309,6 +328,15 @@ class StatsCollector:
         queued.extend(values)
         return len(self._value_groups) - 1
 
+    def add_vector(self, vector: torch.Tensor) -> int:
+        """Queue a 1-D tensor of numbers (any dtype; float64 keeps them exact) for the same single readback; its
+        values are ``self.vectors[index]`` afterwards. Many values in one tensor cost one conversion, not one each."""
+        queued = self._vectors.setdefault(vector.device, [])
+        start = sum(v.numel() for v in queued)
+        queued.append(vector.reshape(-1))
+        self._vector_slots.append((vector.device, start, vector.numel()))
+        return len(self._vector_slots) - 1
+
     # -- the one readback ---------------------------------------------------------------------------------------
     def read(self) -> list[TensorStats]:
         """Copy every statistic to the host (one transfer per device) and build the records.
@@ -316,7 +344,7 @@ class StatsCollector:
         Groups queued with ``add_values`` are in ``self.values`` afterwards, in the order they were added, and
         histograms queued with ``add_histogram`` in ``self.histograms``.
         """
-        devices = {*self._survey, *self._details, *self._values, *self._hist_values}
+        devices = {*self._survey, *self._details, *self._values, *self._hist_values, *self._vectors}
         host: dict[torch.device, dict[str, list[Any]]] = {}
         for device in devices:
             # Mixed dtypes promote in cat: fp16/bf16/fp32 values and counts below 2**53 are exact in float64.
@@ -335,6 +363,9 @@ class StatsCollector:
             queued = self._values.get(device)
             if queued:
                 parts.append(("values", torch.stack([v.to(wide) for v in queued]), 1))
+            vectors = self._vectors.get(device)
+            if vectors:
+                parts.append(("vectors", torch.cat([v.to(wide) for v in vectors]), 1))
             numbers = torch.cat([p for _, p, _ in parts]).tolist()
             self.readbacks += 1
             start = 0
@@ -361,6 +392,7 @@ class StatsCollector:
             else:  # the common case, kept lean: a record per tensor of every pass
                 append(TensorStats(name, shape, data["min"][index], data["max"][index]))
         self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]
+        self.vectors = [host[device]["vectors"][start : start + n] for device, start, n in self._vector_slots]
         self.histograms = [host[device]["hists"][index] for device, index in self._hists]
         return records
 

@@ -8,7 +8,9 @@ deterministic re-run; it synchronises per op, which is fine there and nowhere el
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import re
+import sys
 import traceback
 from collections.abc import Iterable
 from pathlib import Path
@@ -66,6 +68,24 @@ def user_location() -> Optional[SourceLocation]:
     """The innermost stack frame of model code (outside torch and ampdoctor) that is running now."""
     stack = reversed(traceback.extract_stack())
     return _innermost_model_frame((f.filename, f.lineno or 0, f.name, f.line or "") for f in stack)
+
+
+def innermost_user_line() -> Optional[SourceLocation]:
+    """:func:`user_location` walking the live frames: only the chosen frame's source line is read (no
+    traceback of every frame)."""
+    frame = sys._getframe(1)
+    kinds: dict[str, str] = {}
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        kind = kinds.get(filename) or kinds.setdefault(filename, _frame_kind(filename))
+        if kind == "stop":
+            return None
+        if kind == "model":
+            line = frame.f_lineno
+            code = linecache.getline(filename, line).strip()
+            return SourceLocation(filename, line, frame.f_code.co_name, code)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 class _Zoom(TorchDispatchMode):

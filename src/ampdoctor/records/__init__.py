@@ -19,7 +19,7 @@ LOSS = "<loss>"
 BATCH = "<batch>"
 
 # What the strings mean.
-Verdict = Literal["healthy", "overflow", "nan", "underflow", "scale_overflow"]
+Verdict = Literal["healthy", "overflow", "nan", "underflow", "scale_overflow", "hidden_overflow"]
 Direction = Literal["forward", "backward"]
 GradKind = Literal["output", "input", "param"]  # a gradient w.r.t. a call's output or input, or a parameter's
 Action = Literal[
@@ -311,6 +311,38 @@ class OpFinding:
     discarded: tuple[OpFinding, ...] = ()
 
 
+@dataclass(frozen=True)
+class OpOverflow:
+    """A float16/bfloat16 op that made inf or NaN from finite inputs during the forward (``capture.hidden``).
+
+    Recorded whether or not a later op hid the values; analysis calls it *hidden* when the module call's (or
+    the loss's) output stayed finite. Sentinels are never counted: fills (``masked_fill``, ``where``, a
+    ``finfo.min`` fill) make nothing, and once ``classified``, elements where an operand of the arithmetic was
+    already at or beyond the format's max (an additive ``finfo.min`` mask overflowing to ``-inf``) are in
+    ``sentinels``, not in ``count``. The survey only flags an op (``count`` None); the re-run that classifies it
+    counts exactly and names its source line.
+    """
+
+    module: str  # the innermost module call running the op; LOSS for the loss function
+    call: int
+    call_index: Optional[int]  # index into the pass's calls; None for the loss
+    op: str  # "matmul" (``q @ k``, ``torch.matmul``), "exp", "add", "pow"
+    function: str  # what the code called: "Tensor.__matmul__", "torch.exp", "F.linear"
+    # 0-based index among the same-named ops of this call, its children's aside (capture.hidden.counted_op)
+    occurrence: int
+    dtype: str  # the op's output dtype
+    numel: int
+    count: Optional[int] = None  # elements made non-finite (sentinels excluded); None: flagged, not counted
+    sentinels: int = 0  # non-finite elements that are mask arithmetic (classified ops only)
+    classified: bool = False  # counted and classified per element (the re-run), not only flagged (the survey)
+    hidden_by: str = ""  # the first op that consumed the values and gave a finite (or float32) result
+    location: Optional[SourceLocation] = None
+
+    @property
+    def label(self) -> str:
+        return call_label(self.module, self.call) if self.module != LOSS else LOSS
+
+
 @dataclass(frozen=True, eq=False)
 class Comparison(NanEq):
     """One call's low-precision output against the same call re-run in float32 on its own inputs."""
@@ -346,6 +378,7 @@ class PassTrace:
     notes: tuple[str, ...] = ()  # what went wrong inside this pass without stopping it
     autocast: bool = True  # autocast was really in effect during the forward
     uncaptured: tuple[str, ...] = ()  # calls re-run by checkpointing whose gradient could not be captured
+    op_overflows: tuple[OpOverflow, ...] = ()  # forward ops that made inf/NaN from finite inputs (capture.hidden)
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from ..analysis import Divergence, Origin
 from ..records import BATCH, LOSS, OpFinding, Recommendation, SourceLocation, TensorStats
+from .hidden_rows import HIDDEN_HEADERS, hidden_note, hidden_rows, hidden_title
 from .numbers import fmt_num
 from .rows import ReportRows, bits_text
 
@@ -236,6 +237,9 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
     if f.propagation:
         title = f"Propagation: {len(f.propagation)} other call(s) carry the bad values"
         sections.append(Section(title, (Para(_names(f.propagation)),)))
+    if f.hidden:
+        hidden_table = _table(HIDDEN_HEADERS, [list(r) for r in hidden_rows(f.hidden, max_rows)])
+        sections.append(Section(hidden_title(f.hidden), (Para(hidden_note(f.hidden)), hidden_table)))
     if f.scale is not None:
         s = f.scale
         probes = ", ".join(f"{fmt_num(p.scale)}:{'ok' if p.gradients_finite else 'inf'}" for p in s.probes)

@@ -27,6 +27,7 @@ from .document import (
     fmt_num,
     verdict_text,
 )
+from .hidden_rows import HIDDEN_HEADERS, hidden_note, hidden_rows, hidden_title
 from .html_parts import _code, _e, _names, _shape, _td
 from .html_tables import COLLAPSE_MIN_RUN, FULL_TABLE_ROWS, backward_section, forward_section, steps_section
 from .text import render_text
@@ -160,6 +161,13 @@ def _findings_sections(report: Report) -> str:
                 f"<p>{len(f.propagation)} later call(s) carry the bad values: {_names(f.propagation)}</p>",
             )
         )
+    if f.hidden:
+        head = "".join(f"<th>{_e(h)}</th>" for h in HIDDEN_HEADERS)
+        body = "".join(
+            '<tr class="ad-warn">' + "".join(_td(cell) for cell in row) + "</tr>" for row in hidden_rows(f.hidden)
+        )
+        parts.append(_section(hidden_title(f.hidden), f"<p>{_e(hidden_note(f.hidden))}</p>"
+                              f'<table class="ad-calls"><tr>{head}</tr>{body}</table>'))
     if f.scale is not None:
         s = f.scale
         probes = ", ".join(f"{fmt_num(p.scale)}: {'finite' if p.gradients_finite else 'non-finite'}" for p in s.probes)

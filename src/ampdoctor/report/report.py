@@ -13,7 +13,8 @@ from ..serial import SavedReport, to_plain
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
 # 1.1: policy notes, run facts (environment, passes, policy), discarded ops; the watch's divergence, weight norms
-SCHEMA_VERSION = "1.1"
+# 1.2: hidden overflows (trace.op_overflows, findings.hidden) and the verdict "hidden_overflow"
+SCHEMA_VERSION = "1.2"
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Report(SavedReport):
     # -- the stable surface ---------------------------------------------------------------------------------
     @property
     def verdict(self) -> Verdict:
-        """One of ``healthy``, ``overflow``, ``nan``, ``underflow``, ``scale_overflow``."""
+        """One of ``healthy``, ``overflow``, ``nan``, ``underflow``, ``scale_overflow``, ``hidden_overflow``."""
         return self.findings.verdict
 
     @property
@@ -48,9 +49,9 @@ class Report(SavedReport):
     @property
     def exit_code(self) -> int:
         """CLI convention: 0 healthy or warnings only (harmless scale overflow, thin headroom), 1 a finding
-        (a divergence in training included)."""
-        if self.findings.divergence is not None:
-            return 1
+        (a divergence in training and a hidden overflow included)."""
+        if self.findings.divergence is not None or self.findings.hidden:
+            return 1  # a hidden overflow is a finding whatever the verdict (under a harmless scale overflow too)
         if self.verdict == "healthy":
             return 0
         if self.verdict == "scale_overflow" and self.findings.scale is not None and self.findings.scale.harmless:

@@ -1,0 +1,475 @@
+"""Hidden overflows: float16/bfloat16 ops that make inf or NaN from finite inputs, seen even when a later op hides
+them (softmax of ``-inf``, ``clamp``, ``where``, ``nan_to_num``, ``masked_fill``, a ``max``) and the module's output
+stays finite.
+
+:class:`HiddenWatch` is a forward-only ``TorchFunctionMode``, installed by :func:`watching` (the one place it is
+pushed and popped). It sees the ops the model's Python code calls (``q @ k`` arrives as ``Tensor.__matmul__``;
+what runs inside ``F.scaled_dot_product_attention`` or a C++ module is one op to it). For each op with a
+low-precision floating output it queues one fused reduction on the device (``aminmax``: inf, -inf and NaN all
+show in it) for the pass's single readback, and keeps on the host only which op made which tensor (by object
+id, through views) and who consumed it: no host synchronisation and no traceback per op. After the readback,
+:meth:`HiddenWatch.records` names every op whose output is non-finite while its inputs were all finite, and the
+first op that consumed the values and gave a finite result (what hid them).
+
+That survey only flags ops. A re-run with ``targets`` (the flagged ops, by module call, op name and occurrence)
+counts them exactly, classifies each element (see :class:`~ampdoctor.records.OpOverflow`) and resolves the
+user's source line, for those ops only.
+
+Sentinels are not overflows: fills and selections (``masked_fill(-inf)``, ``where(mask, x, -inf)``, a
+``finfo.min`` fill) never make a value; elementwise arithmetic whose operand is already at or beyond the format's
+max at an element (an additive ``finfo.min`` mask overflowing to ``-inf``) is mask arithmetic at that element.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..records import LOSS, OpOverflow
+from .stats import INTERNAL, measuring
+from .zoom import innermost_user_line
+
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_LOW_NAMES = frozenset(_NAMES.values())
+
+# What an op does with its inputs' values.
+SKIP = 0  # allocates memory it does not write (``empty``): nothing to follow
+VIEW = 1  # rearranges or aliases one input's values (or casts them up): its output is that input's, not measured
+SELECT = 2  # picks or fills values (``where``, ``masked_fill``, ``cat``, ``clamp``): measured, never makes a value
+MAKE = 3  # computes new values: measured; makes a value when its output is non-finite and its inputs were finite
+ARITH = 4  # elementwise arithmetic (add, sub, mul, div): MAKE, and classified per element (mask arithmetic)
+CAST = 5  # a dtype conversion: MAKE when it lowers a wider format to the low one (70000.0 -> inf), else VIEW
+INPUT = 6  # a tensor the watch did not see made (the batch, a buffer, a mask built outside): measured once
+
+_VIEW_OPS = frozenset(
+    {
+        "view", "view_as", "reshape", "reshape_as", "transpose", "t", "permute", "contiguous", "clone", "detach",
+        "expand", "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "getitem", "narrow", "split",
+        "split_with_sizes", "tensor_split", "chunk", "unbind", "movedim", "moveaxis", "swapaxes", "swapdims",
+        "select", "as_strided", "repeat", "repeat_interleave", "tile", "roll", "flip", "unfold", "diagonal",
+        "T", "mT", "H", "mH", "data", "real", "imag", "_base", "grad", "requires_grad", "broadcast_to",
+        "broadcast_tensors", "atleast_1d", "atleast_2d", "atleast_3d", "view_as_real", "view_as_complex",
+        "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "take_along_dim", "identity",
+    }
+)
+# Not views: dropout scales what it keeps by 1/(1-p) in training (64992 / 0.9 -> inf in float16), so it is MAKE.
+_SELECT_OPS = frozenset(
+    {
+        "masked_fill", "where", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
+        "index_select", "gather", "scatter", "scatter_add", "index_put", "index_fill", "index_copy", "index_add",
+        "masked_select", "masked_scatter", "fill", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like",
+        "new_full", "new_zeros", "new_ones", "new_tensor", "tensor", "as_tensor", "triu", "tril", "pad", "setitem",
+        "copy", "zero", "clamp", "clip", "clamp_min", "clamp_max", "nan_to_num", "maximum", "minimum", "fmax",
+        "fmin", "max", "min", "amax", "amin", "relu", "relu6", "hardtanh", "threshold", "abs", "neg", "sign",
+        "sort", "topk", "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin", "max_pool1d",
+        "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+        "embedding", "one_hot", "arange", "linspace", "eye", "rand", "randn", "rand_like", "randn_like",
+        "randint", "randint_like", "normal", "uniform", "bernoulli", "zero_", "diag_embed", "block_diag",
+    }
+)
+# Ops that read only the shape, dtype or device of their tensor arguments (``zeros_like(x)``): not consumers.
+_SHAPE_ONLY_OPS = frozenset(
+    {
+        "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "new_full", "new_zeros",
+        "new_ones", "new_tensor", "full", "zeros", "ones", "arange",
+    }
+)
+_ARITH_OPS = frozenset({"add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "rsub"})
+_CAST_OPS = frozenset({"to", "half", "bfloat16", "float", "double", "type", "type_as"})
+_ALLOCATION_OPS = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"})
+# Python operators as the ops they run.
+_DUNDERS = {
+    "__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "rsub",
+    "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
+    "__rtruediv__": "div", "__itruediv__": "div_", "__div__": "div", "__rdiv__": "div", "__idiv__": "div_",
+    "__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow", "__ipow__": "pow_",
+    "__neg__": "neg", "__abs__": "abs", "__getitem__": "getitem", "__setitem__": "setitem",
+    "__floordiv__": "floor_divide", "__rfloordiv__": "floor_divide", "__mod__": "remainder",
+    "__rmod__": "remainder",
+}
+# How many consumers of one op's values are followed when looking for what hid them.
+MAX_CONSUMERS = 4
+
+# func -> (op name, what the code called, category, in place); learned once per function, per process.
+_INFO: dict[Any, tuple[str, str, int, bool]] = {}
+
+
+def op_info(func: Any) -> tuple[str, str, int, bool]:
+    """(op name, the function as the code called it, category, in place) of a function the mode sees."""
+    found = _INFO.get(func)
+    if found is not None:
+        return found
+    raw = getattr(func, "__name__", None) or str(func)
+    if raw == "__get__":  # an attribute: ``x.T``, ``x.data``
+        name = getattr(getattr(func, "__self__", None), "__name__", "attribute")
+    else:
+        name = _DUNDERS.get(raw, raw)
+    inplace = name.endswith("_") and not name.startswith("_")
+    base = name[:-1] if inplace else name
+    if base in _ALLOCATION_OPS:
+        category = SKIP
+    elif base in _VIEW_OPS or raw == "__get__":
+        category = VIEW
+    elif base in _CAST_OPS:
+        category = CAST
+    elif base in _SELECT_OPS:
+        category = SELECT
+    elif base in _ARITH_OPS:
+        category = ARITH
+    else:
+        category = MAKE
+    module = getattr(func, "__module__", None) or ""
+    qualname = getattr(func, "__qualname__", None) or raw
+    if qualname.startswith(("TensorBase.", "Tensor.", "_TensorBase.")) or raw == "__get__":
+        called = f"Tensor.{raw if raw != '__get__' else name}"
+    elif module in ("torch.nn.functional", "torch._C._nn"):
+        called = f"F.{raw}"
+    elif module.startswith("torch") or not module:
+        called = f"torch.{raw}"
+    else:
+        called = f"{module}.{raw}"
+    info = (base, called, category, inplace)
+    if len(_INFO) < 4096:
+        _INFO[func] = info
+    return info
+
+
+class _Node:
+    """One op (or one unknown input) as the watch saw it: plain values, no tensor."""
+
+    __slots__ = ("call", "name", "called", "occurrence", "category", "inputs", "consumers", "first", "outputs",
+                 "dtype", "numel", "counts", "location")
+
+    def __init__(self, call: Optional[int], name: str, called: str, occurrence: int, category: int,
+                 inputs: tuple[int, ...]) -> None:
+        self.call = call  # index of the innermost module call running it (None: outside the model, the loss)
+        self.name = name
+        self.called = called
+        self.occurrence = occurrence
+        self.category = category
+        self.inputs = inputs  # node ids whose values it read
+        self.consumers: list[int] = []
+        self.first = -1  # index of its (min, max) pairs in HiddenWatch.values; -1: not measured
+        self.outputs = 0  # low-precision outputs measured
+        self.dtype = ""
+        self.numel = 0
+        self.counts = -1  # targets: index of (finite count, made count) in HiddenWatch.values
+        self.location: Any = None
+
+
+class Paused:
+    """``with watch.paused:`` takes the watch off the mode stack for the block when it is on top (ampdoctor's
+    own hooks: their many tensor reads then cost no trip through the mode), and puts it back. Reentrant."""
+
+    __slots__ = ("watch", "_popped")
+
+    def __init__(self, watch: HiddenWatch) -> None:
+        self.watch = watch
+        self._popped: list[bool] = []
+
+    def __enter__(self) -> None:
+        depth = torch._C._len_torch_function_stack()
+        top = depth > 0 and torch._C._get_function_stack_at(depth - 1) is self.watch
+        if top:
+            torch._C._pop_torch_function_stack()
+        self._popped.append(top)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._popped.pop():
+            torch._C._push_on_torch_function_stack(self.watch)
+
+
+class HiddenWatch(TorchFunctionMode):
+    """The forward-only mode (see the module docstring). ``recorder`` says which module call is running
+    (:class:`~ampdoctor.capture.hooks.Recorder`); ``targets`` are (module, call, op, occurrence) keys of ops to
+    count, classify and locate. Never raises inside the user's forward: the first failure is kept in ``error``."""
+
+    def __init__(self, recorder: Any, targets: frozenset[tuple[str, int, str, int]] = frozenset()) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.targets = targets
+        self.nodes: list[_Node] = []
+        # 0-d device tensors, or (min, max) pairs of them as aminmax returns them (kept whole: unpacking each
+        # costs more than the reduction on small tensors); read back with the pass's statistics.
+        self.values: list[Any] = []
+        self._count = 0  # values queued, pairs counted as two
+        self.error: Optional[str] = None
+        self._where: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, ...]]] = {}
+        self._occurrences: dict[tuple[Optional[int], str], int] = {}
+        self._queued: list[tuple[int, list[int]]] = []  # (collector vector, positions in values)
+        self.paused = Paused(self)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            outs: Sequence[Any] = (out,)
+        elif isinstance(out, (tuple, list)):
+            outs = out
+        elif out is None and getattr(func, "__name__", "") == "__setitem__" and args:
+            outs = (args[0],)  # ``x[mask] = -inf`` writes into x
+        else:
+            return out
+        if measuring():
+            return out
+        try:
+            with INTERNAL:
+                self._see(func, args, kwargs, outs)
+        except Exception as exc:  # never break the user's forward; the pass reports it
+            if self.error is None:
+                self.error = f"{op_info(func)[1]}: {type(exc).__name__}: {exc}"
+        return out
+
+    # -- the hot path ---------------------------------------------------------------------------------------
+    def _see(self, func: Any, args: Any, kwargs: Any, outs: Sequence[Any]) -> None:
+        name, called, category, inplace = op_info(func)
+        tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not tensors:
+            return
+        if category == SKIP:  # memory not written yet: no values of anyone's (whatever stale bytes it holds)
+            for t in tensors:
+                self._remember(t, ())
+            return
+        sources: list[int] = []
+        if name not in _SHAPE_ONLY_OPS:
+            for a in args:
+                self._collect(a, sources)
+            for a in kwargs.values():
+                self._collect(a, sources)
+        inputs = tuple(dict.fromkeys(sources))
+        category = _resolved(category, tensors, args)
+        if category == VIEW:
+            for t in tensors:
+                self._remember(t, inputs)
+            return
+        stack = self.recorder.stack
+        call = stack[-1] if stack else None
+        key = (call, name)
+        occurrence = self._occurrences.get(key, 0)
+        self._occurrences[key] = occurrence + 1
+        node_id = len(self.nodes)
+        node = _Node(call, name, called, occurrence, category, inputs)
+        self.nodes.append(node)
+        for i in inputs:
+            consumers = self.nodes[i].consumers
+            if len(consumers) < MAX_CONSUMERS:
+                consumers.append(node_id)
+        low = [t for t in tensors if t.dtype in LOW_DTYPES and t.numel()]
+        if low:
+            self._measure(node, low)
+            if self.targets and category != SELECT and self._key(node) in self.targets:
+                self._classify(node, low[0], args, kwargs, inplace)
+        elif tensors[0].numel() and any(self.nodes[i].dtype in _LOW_NAMES for i in inputs):
+            # A wider result of low-precision values (softmax under CUDA autocast): measured too, so that what
+            # hid a value is known; it never counts as making one (that is float32's business).
+            self._measure(node, tensors[:1])
+        for t in tensors:
+            self._remember(t, (node_id,))
+
+    def _collect(self, a: Any, into: list[int]) -> None:
+        if isinstance(a, torch.Tensor):
+            into.extend(self._source(a))
+        elif isinstance(a, (list, tuple)):
+            for v in a:
+                if isinstance(v, torch.Tensor):
+                    into.extend(self._source(v))
+
+    def _source(self, t: torch.Tensor) -> tuple[int, ...]:
+        """The nodes whose values ``t`` holds; an unseen floating tensor (not a parameter) is measured once."""
+        found = self._where.get(id(t))
+        if found is not None and found[0]() is t:
+            return found[1]
+        if isinstance(t, nn.Parameter) or not t.is_floating_point() or not t.numel():
+            return ()
+        node_id = len(self.nodes)
+        node = _Node(None, "input", "", -1, INPUT, ())
+        self.nodes.append(node)
+        self._measure(node, [t])
+        self._remember(t, (node_id,))
+        return (node_id,)
+
+    def _measure(self, node: _Node, tensors: list[torch.Tensor]) -> None:
+        node.first = self._count
+        node.outputs = len(tensors)
+        node.dtype = _NAMES.get(tensors[0].dtype) or str(tensors[0].dtype).replace("torch.", "")
+        node.numel = tensors[0].numel()
+        for t in tensors:
+            self.values.append(torch.aminmax(t.detach()))  # one fused reduction; inf, -inf and NaN show in it
+            self._count += 2
+
+    def _remember(self, t: torch.Tensor, nodes: tuple[int, ...]) -> None:
+        try:
+            self._where[id(t)] = (weakref.ref(t), nodes)
+        except TypeError:
+            pass
+
+    def _key(self, node: _Node) -> tuple[str, int, str, int]:
+        if node.call is None:
+            return (LOSS, 0, node.name, node.occurrence)
+        call = self.recorder.calls[node.call]
+        return (call.module, call.call, node.name, node.occurrence)
+
+    def _classify(self, node: _Node, out: torch.Tensor, args: Any, kwargs: Any, inplace: bool) -> None:
+        """A flagged op on the re-run: count its non-finite elements, and those it made (elementwise arithmetic:
+        not where an operand was non-finite or at the format's max: mask arithmetic), and find its line."""
+        o = out.detach()
+        node.counts = self._count
+        self._count += 2
+        finite = torch.isfinite(o)
+        self.values.append(torch.count_nonzero(finite))
+        if node.category == ARITH:
+            made = finite.logical_not_()  # reuses the mask: one temporary of o's size in bytes
+            limit = torch.finfo(o.dtype).max
+            operands = list(args[:2]) + [v for k, v in kwargs.items() if k == "other"]
+            for i, a in enumerate(operands):
+                if inplace and i == 0:
+                    continue  # ``x += y``: x's old values are gone (it is the output)
+                if isinstance(a, torch.Tensor):
+                    a = a.detach()
+                    made &= torch.isfinite(a)
+                    made &= a.abs() < limit
+                elif isinstance(a, (int, float)) and not (math.isfinite(a) and abs(a) < limit):
+                    made.zero_()
+            self.values.append(torch.count_nonzero(made))
+        else:  # every non-finite element was made (the op's inputs were finite)
+            self.values.append(o.numel() - self.values[-1])
+        del finite
+        node.location = innermost_user_line()
+
+    # -- the readback ---------------------------------------------------------------------------------------
+    def queue(self, collector: Any) -> None:
+        """Hand the queued values to ``collector`` (a StatsCollector) for the pass's single readback: one stacked
+        vector per (device, dtype), so reading them back converts a few tensors, not one per op."""
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        flat = [v for entry in self.values for v in (entry if isinstance(entry, tuple) else (entry,))]
+        for i, v in enumerate(flat):
+            groups.setdefault((v.device, v.dtype), []).append(i)
+        with INTERNAL:
+            self._queued = [
+                (collector.add_vector(torch.stack([flat[i] for i in where])), where) for where in groups.values()
+            ]
+        self.values = []  # the collector holds them now (0-d tensors, no activation)
+
+    def read_values(self, collector: Any) -> list[float]:
+        """The values in the order they were queued, after ``collector.read()``."""
+        out = [0.0] * sum(len(where) for _, where in self._queued)
+        for slot, where in self._queued:
+            for position, value in zip(where, collector.vectors[slot]):
+                out[position] = value
+        return out
+
+    def records(self, values: Sequence[float], calls: Sequence[Any]) -> tuple[OpOverflow, ...]:
+        """Every op that made inf/NaN from finite inputs, from ``values`` (``self.values`` read back) and the
+        recorder's calls. A classified op whose non-finite elements are all sentinels is left out."""
+        nodes = self.nodes
+        bad = [False] * len(nodes)
+        for i, n in enumerate(nodes):
+            if n.first >= 0:
+                seen = values[n.first : n.first + 2 * n.outputs]
+                bad[i] = any(not math.isfinite(v) for v in seen)
+            else:
+                bad[i] = any(bad[s] for s in n.inputs)
+        found = []
+        for i, n in enumerate(nodes):
+            if not bad[i] or n.first < 0 or n.category not in (MAKE, ARITH, CAST) or n.dtype not in _LOW_NAMES:
+                continue
+            if any(bad[s] for s in n.inputs):
+                continue  # passed a non-finite value on
+            count: Optional[int] = None
+            sentinels = 0
+            if n.counts >= 0:
+                finite, made = int(values[n.counts]), int(values[n.counts + 1])
+                count, sentinels = made, n.numel - finite - made
+                if count == 0:
+                    continue  # every non-finite element is mask arithmetic
+            if n.call is None:
+                module, number = LOSS, 0
+            else:
+                module, number = calls[n.call].module, calls[n.call].call
+            found.append(
+                OpOverflow(
+                    module=module,
+                    call=number,
+                    call_index=n.call,
+                    op=n.name,
+                    function=n.called,
+                    occurrence=n.occurrence,
+                    dtype=n.dtype,
+                    numel=n.numel,
+                    count=count,
+                    sentinels=sentinels,
+                    classified=n.counts >= 0,
+                    hidden_by=self._hider(i, bad),
+                    location=n.location,
+                )
+            )
+        return tuple(found)
+
+    def _hider(self, start: int, bad: list[bool]) -> str:
+        """The first op (in op order) that consumed the values, directly or through ops that kept them
+        non-finite, and gave a finite result (or one the watch did not measure); "" when none."""
+        nodes = self.nodes
+        seen = {start}
+        todo = sorted(nodes[start].consumers)
+        while todo:
+            c = todo.pop(0)
+            if c in seen:
+                continue
+            seen.add(c)
+            n = nodes[c]
+            if n.first >= 0 and bad[c]:
+                todo = sorted({*todo, *n.consumers})
+                continue
+            return n.name if n.first >= 0 else f"{n.name} (result not measured)"
+        return ""
+
+
+def _resolved(category: int, tensors: list[torch.Tensor], args: Any) -> int:
+    """A cast makes values when it lowers a wider format to the low one (70000.0 -> inf); else it passes on."""
+    if category != CAST:
+        return category
+    return MAKE if tensors[0].dtype in LOW_DTYPES and _wider_input(args) else VIEW
+
+
+def counted_op(func: Any, args: Any, out: Any) -> Optional[str]:
+    """The op name under which the watch numbers this call (``OpOverflow.occurrence`` counts, per innermost
+    module call, the calls this returns the same name for), or None when it does not number it: no floating
+    output, memory allocation, views, reshapes, copies and casts up. For code that must find the same op again
+    (an op-level float32 upcast of the k-th ``matmul`` of a module call)."""
+    name, _, category, _ = op_info(func)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors or category == SKIP or _resolved(category, tensors, args) == VIEW:
+        return None
+    return name
+
+
+def _wider_input(args: Any) -> bool:
+    """A floating tensor argument wider than the low formats (``x.half()`` of a float32 x lowers it)."""
+    return any(
+        isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype not in LOW_DTYPES for a in args[:1]
+    )
+
+
+def targets_of(overflows: Sequence[OpOverflow]) -> frozenset[tuple[str, int, str, int]]:
+    """The keys a re-run classifies: the ops a pass flagged."""
+    return frozenset((o.module, o.call, o.op, o.occurrence) for o in overflows)
+
+
+@contextlib.contextmanager
+def watching(watch: Optional[HiddenWatch]) -> Iterator[None]:
+    """Install ``watch`` for the duration of the block (the forward and the loss) and remove it however the
+    block ends: the one place the hidden-overflow mode is pushed and popped."""
+    if watch is None:
+        yield
+        return
+    with watch:
+        yield
