@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_untouched, snapshot
 from torch import nn
 
+import ampdoctor
 from ampdoctor.cli.main import main
 
 # -- item 9: the model's prints never reach stdout under the CLI -------------------------------------------------
@@ -53,3 +55,36 @@ def test_json_on_stdout_stays_json_when_the_model_prints(
     assert report["verdict"] == "healthy"
     assert "forward (3, 4)" in err and "building" in err and "importing the model" in err
     assert "forward (3, 4)" not in out and "building" not in out
+
+
+# -- item 7: sparse gradients -------------------------------------------------------------------------------------
+
+
+class _Recommender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(x))
+
+
+def test_a_sparse_embedding_is_diagnosed_through_its_gradient_values() -> None:
+    torch.manual_seed(0)
+    model = _Recommender()
+    batch = torch.tensor([[1, 2, 3], [3, 4, 1], [7, 7, 9], [2, 2, 2]])  # 6 distinct rows: 1, 2, 3, 4, 7, 9
+    before = snapshot(model)
+    report = ampdoctor.diagnose(model, batch, device_type="cpu", verify=False, scale=1.0)
+    assert_untouched(model, before)
+    assert report.verdict == "healthy"
+    (event,) = [e for e in report.trace.grad_events if e.param == "emb.weight"]
+    assert event.stats.shape == (6, 8)  # the stored values of the coalesced sparse gradient, one row per index
+    # The same step by hand: the sparse gradient's values in float64.
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(batch)
+    (grad,) = torch.autograd.grad(out.float().mean(), [model.emb.weight])
+    assert grad.layout == torch.sparse_coo  # a later plain step still gets its sparse gradient
+    values = grad.coalesce()._values().double()
+    assert event.stats.max == pytest.approx(values.max().item(), rel=1e-3)
+    assert event.stats.min == pytest.approx(values.min().item(), rel=1e-3)

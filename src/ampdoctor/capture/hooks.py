@@ -308,6 +308,7 @@ class Recorder:
 
     def _receive(self, kind: GradKind, index: int, path: str, via_base: bool, grad: torch.Tensor) -> None:
         try:
+            grad = measurable(grad)
             slot = self.collector.add_fresh(grad)
             hist = -1
             if self.histograms > 1 and grad.dtype == self.collector.low_dtype and grad.numel():
@@ -316,17 +317,21 @@ class Recorder:
         except Exception as exc:
             self.error = self.error or exc
 
-    def _param_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+    def _param_grad(self, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """A parameter's gradient: its order now, its statistics from the stash; the backward gets a zero-stride
-        stand-in (nothing reads it), so the real gradient is freed once measured."""
+        stand-in (nothing reads it), so the real gradient is freed once measured. A sparse gradient
+        (``nn.Embedding(sparse=True)``) is measured through its values and handed on unchanged: a hook never
+        changes a gradient's layout or type."""
+        sparse = grad.layout != torch.strided
         try:
-            self._stash.append((next(self._grad_order), name, grad))
-            self._stashed += grad.numel()
-            if self._stashed >= STASH_ELEMENTS or grad.numel() >= STASH_EACH:
+            values = measurable(grad)
+            self._stash.append((next(self._grad_order), name, values))
+            self._stashed += values.numel()
+            if self._stashed >= STASH_ELEMENTS or values.numel() >= STASH_EACH:
                 self.flush_params()
         except Exception as exc:
             self.error = self.error or exc
-        return _zeros_like(grad)
+        return None if sparse else _zeros_like(grad)
 
     def flush_params(self) -> None:
         """Measure the stashed parameter gradients (after a backward, or when the stash is full)."""
@@ -337,6 +342,16 @@ class Recorder:
             self.grads.append(GradSeen(order, "param", slot, None, "grad", name, False, hist))
         self._stash.clear()
         self._stashed = 0
+
+
+def measurable(grad: torch.Tensor) -> torch.Tensor:
+    """What the statistics of a gradient are taken on: the tensor itself, or a sparse gradient's values (its
+    stored elements, duplicates summed); the gradient itself is never changed."""
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce()._values()
+    if grad.layout != torch.strided:  # CSR and friends: their stored values
+        return grad.values()
+    return grad
 
 
 _ZEROS: dict[tuple[torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
