@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import assert_untouched, snapshot
 from torch import nn
+from torch.utils import _python_dispatch
 
 import ampdoctor
 from ampdoctor.cli.main import main
@@ -88,3 +89,53 @@ def test_a_sparse_embedding_is_diagnosed_through_its_gradient_values() -> None:
     values = grad.coalesce()._values().double()
     assert event.stats.max == pytest.approx(values.max().item(), rel=1e-3)
     assert event.stats.min == pytest.approx(values.min().item(), rel=1e-3)
+
+
+# -- item 8: a failed refinement pass refines nothing ------------------------------------------------------------
+
+
+class _Overflowing(nn.Module):
+    """Overflows by its own code: ``fc(x) * 1e5`` passes 65504 (inf), and ``y - y`` turns those infs into NaN in
+    the same output, so min and max of that output are NaN: only a NaN-ignoring look sees the inf."""
+
+    def __init__(self, refuse: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.refuse = refuse
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.refuse == "second call" and self.calls > 1:
+            raise RuntimeError("this forward runs once")
+        if self.refuse == "dispatch modes" and _python_dispatch._get_current_dispatch_mode() is not None:
+            raise RuntimeError("this custom op refuses dispatch modes")
+        y = self.fc(x) * 1e5
+        return torch.cat([y, y - y], -1)
+
+
+class _Host(nn.Module):
+    def __init__(self, refuse: str) -> None:
+        super().__init__()
+        self.block = _Overflowing(refuse)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("refuse", ["nothing", "second call", "dispatch modes"])
+def test_the_verdict_comes_from_the_pass_that_saw_the_overflow(refuse: str) -> None:
+    torch.manual_seed(0)
+    model = _Host(refuse)
+    batch = torch.randn(3, 4) * 10
+    before = snapshot(model)
+    report = ampdoctor.diagnose(model, batch, device_type="cpu", verify=False)
+    assert_untouched(model, before)
+    assert report.verdict == "overflow"
+    assert report.findings.forward_origin is not None and report.findings.forward_origin.module == "block"
+    detail = [p for p in report.run.passes if p.purpose == "detail and op zoom"]
+    assert [p.status for p in detail] == (["ran"] if refuse == "nothing" else ["failed"])
+    if refuse == "nothing":  # the op zoom names the very multiplication
+        assert report.findings.forward_origin.op is not None
+        assert report.findings.forward_origin.op.op == "aten::mul.Tensor"
