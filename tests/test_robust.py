@@ -4,12 +4,13 @@ refinement pass, a model that prints under the CLI, deeply nested models."""
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_untouched, snapshot
+from helpers import assert_untouched, plain_amp_step, snapshot
 from torch import nn
 from torch.utils import _python_dispatch
 
@@ -139,3 +140,39 @@ def test_the_verdict_comes_from_the_pass_that_saw_the_overflow(refuse: str) -> N
     if refuse == "nothing":  # the op zoom names the very multiplication
         assert report.findings.forward_origin.op is not None
         assert report.findings.forward_origin.op.op == "aten::mul.Tensor"
+
+
+# -- item 11: a deeply nested model that runs plain runs under diagnose -----------------------------------------
+
+
+def _nested(depth: int, weight_scale: float = 1.0) -> nn.Module:
+    torch.manual_seed(0)
+    leaf = nn.Linear(4, 4)
+    with torch.no_grad():
+        leaf.weight.mul_(weight_scale)
+    model: nn.Module = leaf
+    for _ in range(depth):
+        model = nn.Sequential(model)
+    return model
+
+
+def test_a_model_nested_as_deep_as_a_plain_step_allows_is_diagnosed() -> None:
+    x = torch.randn(2, 4)
+    deepest = 0
+    for depth in range(200, 1000, 40):  # about as deep as a plain AMP step runs from here
+        try:
+            plain_amp_step(_nested(depth), x)
+        except RecursionError:
+            break
+        deepest = depth
+    assert deepest >= 200
+    limit = sys.getrecursionlimit()
+    model = _nested(deepest, weight_scale=1e5)  # its leaf overflows: the detailed re-run and op zoom run too
+    before = snapshot(model)
+    report = ampdoctor.diagnose(model, x, device_type="cpu", verify=False)
+    assert_untouched(model, before)
+    assert sys.getrecursionlimit() == limit
+    assert report.verdict == "overflow"
+    origin = report.findings.forward_origin
+    assert origin is not None and origin.module == ".".join(["0"] * deepest)
+    assert all(p.status == "ran" for p in report.run.passes)

@@ -25,7 +25,7 @@ from .hooks import Recorder
 from .reference import FloatReference
 from .state import StateGuard
 from .stats import StatsCollector
-from .walk import call_model, iter_tensors
+from .walk import RecursionRoom, call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -228,6 +228,8 @@ class _Step:
         writes = self.guard.guard_writes() if self.guard is not None else contextlib.nullcontext()
         # The emulated CUDA policy stays installed for the backward too (checkpoint recomputes run under it).
         emulation = installed_cuda_policy() if spec.policy == "cuda_emulated" else contextlib.nullcontext()
+        # Hooks cost torch one frame per nesting level: room for them, so a model that runs plain runs here.
+        self.contexts.enter_context(RecursionRoom(spec.root))
         recorder.install(spec.params)
         self.contexts.enter_context(torch.enable_grad())
         self.contexts.enter_context(_anomaly(self.backward_zoom))
