@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..records import GradKind
+from .cleanup import uninterrupted
 from .reference import FloatReference
 from .state import RngState
 from .stats import StatsCollector
@@ -139,7 +140,8 @@ class Recorder:
         self._stash: list[tuple[int, str, torch.Tensor]] = []
         self._stashed = 0
 
-    # install / remove
+    # install / remove (a Ctrl-C waits until a handle is recorded, or until every handle is removed)
+    @uninterrupted
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
         for module in self.modules:
             self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -149,13 +151,16 @@ class Recorder:
                 if param.requires_grad:
                     self._handles.append(param.register_hook(functools.partial(self._param_grad, name)))
 
+    @uninterrupted
     def remove(self) -> None:
+        """Idempotent: every hook removed, the zoom closed."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._stash.clear()
         self.close_zoom()
 
+    @uninterrupted
     def close_zoom(self, output: Any = None) -> None:
         if self.zoom is not None and self._zoom_call is not None:
             self._zoom_call = None
@@ -247,11 +252,15 @@ class Recorder:
                 self.reference.pending[index] = (args, kwargs, RngState.capture())
             self.last_module = name
             if self.zoom_target is not None and self.zoom_target == (name, number) and self.zoom is None:
-                self.zoom = OpZoom(name, number)
-                self._zoom_call = index
-                self.zoom.__enter__()
+                self._open_zoom(name, number, index)
         except Exception as exc:  # never raise inside the user's forward
             self.error = self.error or exc
+
+    @uninterrupted
+    def _open_zoom(self, name: str, number: int, index: int) -> None:
+        self.zoom = OpZoom(name, number)
+        self._zoom_call = index
+        self.zoom.__enter__()
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.reference is not None and self.reference.busy:
@@ -300,6 +309,7 @@ class Recorder:
             pass
 
     # backward
+    @uninterrupted
     def _grad_hook(self, t: torch.Tensor, kind: GradKind, index: int, path: str) -> None:
         base = t._base
         via_base = base is not None and base.requires_grad

@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import AmpDoctorError, InternalError, InvalidInput, ModelRaised
 from ..records import LOSS, GradEvent, ModuleCall, ModuleInfo, ParamRecord, PassTrace, TensorRecord, TensorStats
 from ..thresholds import GRADIENT_KEY
+from .cleanup import cleaned, on_cleanup, uninterrupted
 from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hooks import Recorder
@@ -181,7 +182,9 @@ class _Step:
         self.recorder = Recorder(spec.names, modules, self.collector, spec.backward, zoom, self.float_reference)
         self.loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
         self.back_zoom = BackwardZoom() if backward_zoom else None
-        self.contexts = contextlib.ExitStack()
+        self.contexts = contextlib.ExitStack()  # installed for the whole pass (closed by close())
+        self.region = contextlib.ExitStack()  # the forward's autocast and copy-on-write region
+        self._undo: Optional[Callable[[], None]] = None
         self.output: Any = None
         self.loss: Optional[torch.Tensor] = None
         self.loss_source = ""
@@ -222,19 +225,9 @@ class _Step:
         # is cleared only when the outermost region exits): a pass would reuse another dtype's or pass's casts.
         torch.clear_autocast_cache()
         batch_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(spec.batch, "batch")]
-        # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
-        # time (nothing here forms cycles that need it before the pass ends).
-        gc.disable()
-        writes = self.guard.guard_writes() if self.guard is not None else contextlib.nullcontext()
-        # The emulated CUDA policy stays installed for the backward too (checkpoint recomputes run under it).
-        emulation = installed_cuda_policy() if spec.policy == "cuda_emulated" else contextlib.nullcontext()
-        # Hooks cost torch one frame per nesting level: room for them, so a model that runs plain runs here.
-        self.contexts.enter_context(RecursionRoom(spec.root))
-        recorder.install(spec.params)
-        self.contexts.enter_context(torch.enable_grad())
-        self.contexts.enter_context(_anomaly(self.backward_zoom))
-        self.emulated = self.contexts.enter_context(emulation)
-        with _autocast(spec, self.autocast), writes:
+        self._install()
+        self._enter_region()
+        try:
             self.autocast_on = autocast_enabled("cpu" if spec.policy == "cuda_emulated" else spec.device_type)
             try:
                 output = call_model(spec.root, spec.batch)
@@ -259,9 +252,40 @@ class _Step:
                 raise
             except Exception as exc:
                 raise ModelRaised(f"the loss raised {type(exc).__name__}: {exc}", "loss") from exc
+        finally:
+            self._leave_region()
         output_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(output, "out")]
         self.slots = (batch_slots, output_slots, collector.add(loss))
         self.output, self.loss = output, loss
+
+    @uninterrupted
+    def _install(self) -> None:
+        """Everything the pass keeps installed until :meth:`close`, installed at once (a Ctrl-C waits) and owned
+        by the diagnosis's cleanup owner before it takes effect."""
+        spec = self.spec
+        self._undo = on_cleanup(self.close)
+        # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
+        # time (nothing here forms cycles that need it before the pass ends).
+        gc.disable()
+        # Hooks cost torch one frame per nesting level: room for them, so a model that runs plain runs here.
+        self.contexts.enter_context(RecursionRoom(spec.root))
+        self.recorder.install(spec.params)
+        self.contexts.enter_context(torch.enable_grad())
+        self.contexts.enter_context(_anomaly(self.backward_zoom))
+        # The emulated CUDA policy stays installed for the backward too (checkpoint recomputes run under it).
+        emulation = installed_cuda_policy() if spec.policy == "cuda_emulated" else contextlib.nullcontext()
+        self.emulated = self.contexts.enter_context(emulation)
+
+    @uninterrupted
+    def _enter_region(self) -> None:
+        """The forward and loss's autocast region and the copy-on-write of parameters (left after the loss)."""
+        self.region.enter_context(_autocast(self.spec, self.autocast))
+        if self.guard is not None:
+            self.region.enter_context(self.guard.guard_writes())
+
+    @uninterrupted
+    def _leave_region(self) -> None:
+        self.region.close()
 
     def backward(self, scale: float, keep: bool, histograms: int = 0) -> PassTrace:
         """The scaled backward on this forward's graph, and the pass's records (one readback)."""
@@ -328,15 +352,21 @@ class _Step:
         )
         return self.first
 
+    @uninterrupted
     def close(self) -> None:
-        """Drop the graph and every hook; put the global state (grad mode, anomaly, emulation) back."""
+        """Drop the graph and every hook; put the global state (grad mode, anomaly, emulation) back. Idempotent,
+        and run to its end even when Ctrl-C arrives meanwhile."""
         self.output = self.loss = None
         try:
             self.recorder.remove()
+            self.region.close()
             self.contexts.close()
         finally:
             if self.gc_was_enabled:
                 gc.enable()
+            if self._undo is not None:
+                cleaned(self._undo)
+                self._undo = None
 
 
 def _leaves(root: torch.Tensor) -> list[torch.Tensor]:
@@ -357,14 +387,28 @@ def _leaves(root: torch.Tensor) -> list[torch.Tensor]:
 def _backward_keeping_grads(scaled: torch.Tensor, params: list[nn.Parameter]) -> None:
     """``scaled.backward()`` with every ``.grad`` it could write (the graph's leaves, and the parameters, which
     a checkpointed region reaches only when it re-runs) set aside first and put back by assignment after."""
-    saved = [(t, t.grad) for t in {id(t): t for t in [*_leaves(scaled), *params]}.values()]
-    for t, _ in saved:
-        t.grad = None
+    put_back = _set_grads_aside([*_leaves(scaled), *params])
     try:
         scaled.backward()
     finally:
+        put_back()
+
+
+@uninterrupted
+def _set_grads_aside(tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """Set every ``.grad`` of ``tensors`` to None; returns the (idempotent, owned) undo that puts them back."""
+    saved = [(t, t.grad) for t in {id(t): t for t in tensors}.values()]
+
+    @uninterrupted
+    def put_back() -> None:
         for t, grad in saved:
             t.grad = grad
+        cleaned(put_back)
+
+    on_cleanup(put_back)
+    for t, _ in saved:
+        t.grad = None
+    return put_back
 
 
 @contextlib.contextmanager
