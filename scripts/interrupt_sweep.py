@@ -13,38 +13,27 @@ import argparse
 import random
 import sys
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import torch  # noqa: E402
-from interrupt_harness import model_and_batch, sweep, timed  # noqa: E402
+from interrupt_harness import TRAINING_CHANGES, model_and_batch, sweep, timed, watched_run  # noqa: E402
+from torch import nn  # noqa: E402
 
 import ampdoctor  # noqa: E402
 
 
-def runs() -> dict[str, tuple[object, object]]:
+def runs() -> dict[str, tuple[Callable[[], object], nn.Module, object, tuple[str, ...]]]:
     model, batch = model_and_batch()
     emulated, emulated_batch = model_and_batch(1, blocks=4)
-    watched, watched_batch = model_and_batch(2, blocks=4)
-    opt = torch.optim.SGD(watched.parameters(), lr=0.0)  # lr 0: the weights stay, the run repeats exactly
-
-    def watch_steps() -> None:
-        scaler = torch.amp.GradScaler("cpu")
-        with ampdoctor.watch(watched, scaler, stats_every=1) as _:
-            for _ in range(3):
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = watched(watched_batch).float().pow(2).mean()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
-
+    watch_run, watched, scaler = watched_run()
     return {
-        "diagnose": (lambda: ampdoctor.diagnose(model, batch, device_type="cpu", progress=False), model),
+        "diagnose": (lambda: ampdoctor.diagnose(model, batch, device_type="cpu", progress=False), model, None, ()),
         "diagnose, CUDA policy emulated": (
-            lambda: ampdoctor.diagnose(emulated, emulated_batch, device_type="cuda", progress=False), emulated
+            lambda: ampdoctor.diagnose(emulated, emulated_batch, device_type="cuda", progress=False), emulated, None,
+            (),
         ),
-        "watch": (watch_steps, watched),
+        "watch": (watch_run, watched, scaler, TRAINING_CHANGES),
     }
 
 
@@ -56,12 +45,12 @@ def main() -> int:
     args = parser.parse_args()
     rng = random.Random(0)
     failures = 0
-    for name, (run, model) in runs().items():
+    for name, (run, model, scaler, ignore) in runs().items():
         if args.only and args.only not in name:
             continue
-        duration = timed(run) * 1.1  # type: ignore[operator]
+        duration = timed(run) * 1.1
         for number in range(args.sweeps):
-            outcomes = sweep(run, model, args.moments, duration, rng)  # type: ignore[arg-type]
+            outcomes = sweep(run, model, args.moments, duration, rng, scaler, ignore)
             bad = [o for o in outcomes if o.left_behind or o.result not in ("interrupted", "finished")]
             interrupted = sum(o.result == "interrupted" for o in outcomes)
             print(f"{name}: sweep {number + 1}/{args.sweeps} over {duration:.2f} s: {interrupted} interrupted, "

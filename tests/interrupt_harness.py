@@ -86,7 +86,12 @@ def _nesting() -> int:
     return depth
 
 
-def state_of(model: nn.Module) -> dict[str, Any]:
+# What a watched training loop changes itself (its forward writes the embedding, BatchNorm statistics, .grad);
+# a watch is checked on everything else.
+TRAINING_CHANGES = ("tensors", "versions", "grads")
+
+
+def state_of(model: nn.Module, scaler: Any = None) -> dict[str, Any]:
     """Everything an interrupted run must leave as it was."""
     from ampdoctor.capture import emulate
 
@@ -120,6 +125,7 @@ def state_of(model: nn.Module) -> dict[str, Any]:
         "gc": gc.isenabled(),
         "sigint handler": signal.getsignal(signal.SIGINT),
         "recursion limit": sys.getrecursionlimit(),
+        "scaler attributes": None if scaler is None else sorted(vars(scaler)),
     }
 
 
@@ -158,9 +164,14 @@ def _interrupt_after(delay: float, main: int, done: threading.Event) -> threadin
     return thread
 
 
-def interrupt_at(run: Callable[[], Any], model: nn.Module, offset: float) -> Outcome:
-    """Run ``run()`` with SIGINT sent ``offset`` seconds in; compare the state after with before."""
-    before = state_of(model)
+def interrupt_at(
+    run: Callable[[], Any], model: nn.Module, offset: float, scaler: Any = None, ignore: tuple[str, ...] = ()
+) -> Outcome:
+    """Run ``run()`` with SIGINT sent ``offset`` seconds in; compare the state after with before (all but the
+    keys in ``ignore``)."""
+    before = state_of(model, scaler)
+    for key in ignore:
+        del before[key]
     done = threading.Event()
     result = "finished"
     thread: Optional[threading.Thread] = None
@@ -185,20 +196,48 @@ def interrupt_at(run: Callable[[], Any], model: nn.Module, offset: float) -> Out
             time.sleep(0.002)
         except KeyboardInterrupt:
             result = "interrupted"
-    return Outcome(offset, result, differences(before, state_of(model)))
+    return Outcome(offset, result, differences(before, state_of(model, scaler)))
 
 
 def sweep(
-    run: Callable[[], Any], model: nn.Module, moments: int, duration: float, rng: Optional[random.Random] = None
+    run: Callable[[], Any],
+    model: nn.Module,
+    moments: int,
+    duration: float,
+    rng: Optional[random.Random] = None,
+    scaler: Any = None,
+    ignore: tuple[str, ...] = (),
 ) -> list[Outcome]:
     """``moments`` interrupts spread evenly over ``duration`` seconds (with a random jitter of up to one step
     when ``rng`` is given), each on a fresh run."""
     step = duration / moments
     offsets = [step * (i + (rng.random() if rng else 0.5)) for i in range(moments)]
-    return [interrupt_at(run, model, offset) for offset in offsets]
+    return [interrupt_at(run, model, offset, scaler, ignore) for offset in offsets]
 
 
 def timed(run: Callable[[], Any]) -> float:
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
+
+
+def watched_run(seed: int = 2, blocks: int = 4, steps: int = 3) -> tuple[Callable[[], None], nn.Module, Any]:
+    """A short training loop under ``ampdoctor.watch`` (every step sampled; the head overflows, so steps are
+    skipped and captured): the run, its model and its scaler."""
+    import ampdoctor
+
+    model, batch = model_and_batch(seed, blocks)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def run() -> None:
+        with ampdoctor.watch(model, scaler, stats_every=1, save_bundle=False):
+            for _ in range(steps):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(batch).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+
+    return run, model, scaler

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from torch.utils import _python_dispatch
 
 import ampdoctor
 from ampdoctor.cli.main import main
+from ampdoctor.errors import InvalidInput
 
 # -- item 9: the model's prints never reach stdout under the CLI -------------------------------------------------
 
@@ -176,3 +180,79 @@ def test_a_model_nested_as_deep_as_a_plain_step_allows_is_diagnosed() -> None:
     origin = report.findings.forward_origin
     assert origin is not None and origin.module == ".".join(["0"] * deepest)
     assert all(p.status == "ran" for p in report.run.passes)
+
+
+# -- item 5: two threads, one model ------------------------------------------------------------------------------
+
+
+class _Renormed(nn.Module):
+    """``Embedding(max_norm=1)`` renormalises its rows in place in every forward; the forward notes which thread
+    ran it and when."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, max_norm=1.0)
+        with torch.no_grad():
+            self.emb.weight.mul_(4.0)  # every row above max_norm
+        self.fc = nn.Linear(8, 2)
+        self.calls: list[tuple[str, float]] = []
+        self.first_forward = threading.Event()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls.append((threading.current_thread().name, time.perf_counter()))
+        self.first_forward.set()
+        time.sleep(0.01)  # long enough for the other thread to try to start meanwhile
+        return self.fc(self.emb(ids).mean(1))
+
+
+def test_a_second_thread_diagnosing_the_same_model_waits_and_nothing_changes() -> None:
+    torch.manual_seed(0)
+    model = _Renormed()
+    batch = torch.randint(0, 20, (6, 4))
+    before = snapshot(model)
+    reports: dict[str, Any] = {}
+
+    def run(name: str) -> None:
+        reports[name] = ampdoctor.diagnose(model, batch, device_type="cpu", verify=False, progress=False)
+
+    first = threading.Thread(target=run, args=("first",), name="first")
+    second = threading.Thread(target=run, args=("second",), name="second")
+    first.start()
+    assert model.first_forward.wait(30)
+    second.start()  # while the first diagnosis runs its forward
+    first.join(60)
+    second.join(60)
+    assert set(reports) == {"first", "second"}
+    # The second waited for the first to put everything back: no forward of theirs interleaved.
+    order = [name for name, _ in sorted(model.calls, key=lambda call: call[1])]
+    assert order == sorted(order) and "second" in order and order[0] == "first"
+    first_report, second_report = reports["first"], reports["second"]
+    assert first_report.trace == second_report.trace  # the same passes on the same weights (timings aside)
+    assert first_report.modules == second_report.modules and first_report.findings == second_report.findings
+    assert first_report.run.notes == second_report.run.notes
+    assert_untouched(model, before)
+
+
+class _Reentrant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.error: Optional[BaseException] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.error is None:
+            try:
+                ampdoctor.diagnose(self, x, device_type="cpu")
+            except BaseException as exc:  # what a diagnose from inside the forward gets
+                self.error = exc
+        return self.fc(x)
+
+
+def test_a_diagnosis_from_inside_the_models_own_forward_is_refused() -> None:
+    torch.manual_seed(0)
+    model = _Reentrant()
+    x = torch.randn(3, 4)
+    report = ampdoctor.diagnose(model, x, device_type="cpu", verify=False)
+    assert report.verdict == "healthy"
+    assert isinstance(model.error, InvalidInput)
+    assert "already being diagnosed in this thread" in str(model.error)

@@ -106,6 +106,45 @@ def protect_frames_of(*functions: Callable[..., Any]) -> None:
             _PROTECTED.add(code)
 
 
+def shield_sigint() -> bool:
+    """Hold a Ctrl-C that arrives inside an :func:`uninterrupted` call until it returns (main thread only; the
+    SIGINT handler in place is kept and called). True when this call holds the shield: give it back with
+    :func:`unshield_sigint`."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    with _Shield.lock:
+        if _Shield.users:
+            _Shield.users += 1
+            return True
+        current = signal.getsignal(signal.SIGINT)
+        if not callable(current):  # SIG_DFL / SIG_IGN / None (not set from Python): nothing to defer
+            return False
+        _Shield.previous = current
+        _Shield.pending = False
+        signal.signal(signal.SIGINT, _handler)
+        _Shield.users = 1
+        return True
+
+
+def unshield_sigint() -> bool:
+    """Give the shield back; the last holder puts the previous SIGINT handler back (unless something replaced
+    ours meanwhile). True when a held Ctrl-C is still to be raised (by the caller, once its work is done)."""
+    with _Shield.lock:
+        _Shield.users -= 1
+        if _Shield.users:
+            return False
+        pending, _Shield.pending = _Shield.pending, False
+        if signal.getsignal(signal.SIGINT) is _handler:
+            signal.signal(signal.SIGINT, _Shield.previous)
+        _Shield.previous = None
+        return pending
+
+
+def raise_held_interrupt() -> None:
+    """The user's Ctrl-C, held while ampdoctor restored their state: raised now, through their handler."""
+    _previous(signal.SIGINT, sys._getframe(1))
+
+
 # -- the thread's global torch state ---------------------------------------------------------------------------
 _DEVICES = ("cpu", "cuda")
 
@@ -200,19 +239,7 @@ class Cleanup:
         self._state = TorchState()
         _OWNERS.stack.append(self)
         self._open = True
-        if threading.current_thread() is threading.main_thread():
-            with _Shield.lock:
-                if _Shield.users == 0:
-                    current = signal.getsignal(signal.SIGINT)
-                    if callable(current):  # SIG_DFL / SIG_IGN / None (not set from Python): nothing to defer
-                        _Shield.previous = current
-                        _Shield.pending = False
-                        signal.signal(signal.SIGINT, _handler)
-                        _Shield.users = 1
-                        self._shielded = True
-                elif _Shield.previous is not None:
-                    _Shield.users += 1
-                    self._shielded = True
+        self._shielded = shield_sigint()
         return self
 
     def add(self, undo: Undo) -> Undo:
@@ -249,13 +276,7 @@ class Cleanup:
         pending = False
         if self._shielded:
             self._shielded = False
-            with _Shield.lock:
-                _Shield.users -= 1
-                if _Shield.users == 0:
-                    pending, _Shield.pending = _Shield.pending, False
-                    if signal.getsignal(signal.SIGINT) is _handler:
-                        signal.signal(signal.SIGINT, _Shield.previous)
-                    _Shield.previous = None
+            pending = unshield_sigint()
         if pending and not isinstance(exc, KeyboardInterrupt):
             _previous(signal.SIGINT, sys._getframe(1))  # the user's Ctrl-C, now that everything is back
         if errors and exc is None:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .cleanup import cleaned, on_cleanup, uninterrupted
+from .exclusive import claim_modules
 from .stats import chunks
 
 
@@ -201,8 +202,10 @@ class StateGuard:
     def __init__(
         self, model: nn.Module, params: list[tuple[str, nn.Parameter]], rng: Optional[RngState] = None
     ) -> None:
-        self.rng = rng or RngState.capture()
         self.modules = list(model.modules())
+        # One diagnosis per model at a time (another thread's waits here); released by restore().
+        self._release = claim_modules(self.modules, f"this {type(model).__name__}")
+        self.rng = rng or RngState.capture()
         # Which buffers each module had (None entries included), by object: a forward that fills a lazy cache
         # (register_buffer("cache", None), then set in forward) or adds a buffer is undone too.
         self.buffer_names = [(m, dict(m._buffers)) for m in self.modules]
@@ -296,6 +299,7 @@ class StateGuard:
         if self._undo is not None:
             cleaned(self._undo)
             self._undo = None
+        self._release()
 
     def _put_parameters(self) -> None:
         for module, before in self.param_slots:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from ..capture.cleanup import uninterrupted
 from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
 from ..capture.walk import iter_tensors
@@ -47,12 +48,14 @@ class WatchHooks:
         self.probed = False
 
     # -- installing -----------------------------------------------------------------------------------------
+    @uninterrupted
     def install(self) -> None:
         w = self.w
         self.root_tap = RootTap(w.model, w.root, self.root_pre, self.root_post)
         if is_compiled(w.model, w.root):
             self.compiled = CompiledStats(w.root, w.names)
 
+    @uninterrupted
     def sample(self, on: bool) -> None:
         """Module statistics for the next step: eager hooks installed only for it (an unsampled step runs the
         model's fast path); a compiled model's hooks stay, switched by their flag at each root forward."""
@@ -68,16 +71,19 @@ class WatchHooks:
         elif not on and self.module_handles:
             self.remove_modules()
 
+    @uninterrupted
     def remove_modules(self) -> None:
         for handle in self.module_handles:
             handle.remove()
         self.module_handles.clear()
 
+    @uninterrupted
     def remove_probes(self) -> None:
         for handle in self.probes:
             handle.remove()
         self.probes.clear()
 
+    @uninterrupted
     def remove(self) -> None:
         self.remove_modules()
         self.remove_probes()
@@ -141,6 +147,7 @@ class WatchHooks:
         except Exception as exc:
             w.fail(exc)
 
+    @uninterrupted
     def _probe_autocast(self) -> None:
         """Autocast switched on inside the model's own forward (accelerate wraps ``forward`` in it): the root's
         children see it. Pre-hooks on them for the first watched forward only (removed in :meth:`root_post`)."""
@@ -153,6 +160,7 @@ class WatchHooks:
         self.probed = True
         self.probes = [child.register_forward_pre_hook(look) for child in w.root.children()]
 
+    @uninterrupted
     def keep_grad(self, micro: MicroBatch, path: str, t: torch.Tensor) -> None:
         """Keep the gradient reaching this output (the real loss's, scaled) until the step ends, within the cap."""
         micro.expected_grads.add(path)
@@ -193,6 +201,7 @@ class WatchHooks:
         except Exception as exc:
             w.fail(exc)
 
+    @uninterrupted
     def grad_hook(self, t: torch.Tensor, name: str) -> None:
         w = self.w
         low = t.dtype == w.low

@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
+from ..capture.cleanup import uninterrupted
 from ..capture.state import RngState
 from ..capture.walk import iter_tensors
 from ..records import FrozenMap, StepRecord
@@ -138,6 +139,7 @@ class StepState:
     kept_bytes: int = 0  # output gradients kept for a replay
     tensor_handles: list[Any] = field(default_factory=list)
 
+    @uninterrupted
     def remove_hooks(self) -> None:
         for handle in self.tensor_handles:
             handle.remove()

@@ -31,6 +31,7 @@ read-back into a record), ``runs`` and ``divergence`` (harmless / persistent / d
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections import deque
 from pathlib import Path
 from types import TracebackType
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from ..capture import sharded
+from ..capture.cleanup import raise_held_interrupt, shield_sigint, uninterrupted, unshield_sigint
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import eager_calls, unwrap_model
 from ..capture.stats import format_limits
@@ -155,19 +157,24 @@ class Watch:
         return self._failures.bundle_path
 
     # -- lifecycle ------------------------------------------------------------------------------------------
+    @uninterrupted
     def __enter__(self) -> Watch:
         return self.start()
 
+    @uninterrupted
     def __exit__(
         self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
         self.close()
 
+    @uninterrupted
     def start(self) -> Watch:
-        """Install the root hooks and tap the scaler (``__enter__`` does this)."""
+        """Install the root hooks and tap the scaler (``__enter__`` does this). Until :meth:`close`, a Ctrl-C
+        that arrives while the watch installs or removes something waits until it is done."""
         if self.active:
             return self
         self.active = True
+        self._shielded = shield_sigint()
         try:
             self.hooks.install()
             if self.scaler is not None:
@@ -178,8 +185,10 @@ class Watch:
             raise
         return self
 
+    @uninterrupted
     def close(self) -> None:
-        """Remove every hook and leave the scaler's taps; the records stay (``__exit__`` does this)."""
+        """Remove every hook and leave the scaler's taps; the records stay (``__exit__`` does this). Idempotent;
+        runs to its end even when Ctrl-C arrives meanwhile (that Ctrl-C is raised afterwards)."""
         self.cur.remove_hooks()
         self.hooks.remove()
         for tap in self._taps:
@@ -188,6 +197,10 @@ class Watch:
         self.cur = StepState()  # no reference to the user's inputs (or targets) after the block
         self.targets = None
         self.active = False
+        if getattr(self, "_shielded", False):
+            self._shielded = False
+            if unshield_sigint() and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                raise_held_interrupt()
 
     # -- public verbs ----------------------------------------------------------------------------------------
     def set_targets(self, targets: Any) -> None:
@@ -287,6 +300,7 @@ class Watch:
     def _sampled(self, step: int) -> bool:
         return self.stats_every > 0 and (step % self.stats_every == 0 or step <= self._dense_until)
 
+    @uninterrupted
     def _drop_step(self) -> None:
         """Forget the current step (its ``update`` raised, or it was read): its hooks go, a new step starts."""
         self.cur.remove_hooks()
