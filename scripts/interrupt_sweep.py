@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -43,6 +44,9 @@ def main() -> int:
     parser.add_argument("--moments", type=int, default=16)
     parser.add_argument("--only", default=None, help="run only the runs whose name contains this")
     args = parser.parse_args()
+    # Started in the background (nohup, &), the process inherits SIGINT ignored: give it Python's usual handler,
+    # as in a terminal, or no interrupt would ever arrive.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(0)
     failures = 0
     for name, (run, model, scaler, ignore) in runs().items():
