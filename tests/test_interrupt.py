@@ -40,6 +40,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _python_sigint_handler() -> Any:
+    """Python's own SIGINT handler, as in a terminal (a run started in the background inherits SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _ctrl_c() -> None:
     signal.raise_signal(signal.SIGINT)  # delivered to this (the main) thread's handler at the next bytecode
 
