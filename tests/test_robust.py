@@ -3,6 +3,7 @@ refinement pass, a model that prints under the CLI, deeply nested models."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import textwrap
@@ -160,16 +161,24 @@ def _nested(depth: int, weight_scale: float = 1.0) -> nn.Module:
     return model
 
 
-def test_a_model_nested_as_deep_as_a_plain_step_allows_is_diagnosed() -> None:
+@functools.cache
+def _deepest_plain() -> int:
+    """About as deep as a plain AMP step runs from a test function."""
     x = torch.randn(2, 4)
     deepest = 0
-    for depth in range(200, 1000, 40):  # about as deep as a plain AMP step runs from here
+    for depth in range(200, 1000, 40):
         try:
             plain_amp_step(_nested(depth), x)
         except RecursionError:
             break
         deepest = depth
     assert deepest >= 200
+    return deepest
+
+
+def test_a_model_nested_as_deep_as_a_plain_step_allows_is_diagnosed() -> None:
+    x = torch.randn(2, 4)
+    deepest = _deepest_plain()
     limit = sys.getrecursionlimit()
     model = _nested(deepest, weight_scale=1e5)  # its leaf overflows: the detailed re-run and op zoom run too
     before = snapshot(model)
@@ -180,6 +189,25 @@ def test_a_model_nested_as_deep_as_a_plain_step_allows_is_diagnosed() -> None:
     origin = report.findings.forward_origin
     assert origin is not None and origin.module == ".".join(["0"] * deepest)
     assert all(p.status == "ran" for p in report.run.passes)
+
+
+def test_a_model_nested_as_deep_as_a_plain_step_allows_trains_watched() -> None:
+    deepest = _deepest_plain()
+    model, x = _nested(deepest), torch.randn(2, 4)
+    limit = sys.getrecursionlimit()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.watch(model, scaler, stats_every=1) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    assert sys.getrecursionlimit() == limit
+    steps = doctor.steps
+    assert len(steps) == 2 and all(s.sampled and s.out_abs_max for s in steps)  # the module hooks ran each step
 
 
 # -- item 5: two threads, one model ------------------------------------------------------------------------------

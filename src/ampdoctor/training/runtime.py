@@ -45,6 +45,7 @@ from ..capture.cleanup import raise_held_interrupt, shield_sigint, uninterrupted
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import eager_calls, unwrap_model
 from ..capture.stats import format_limits
+from ..capture.walk import RecursionRoom
 from ..errors import AmpDoctorError
 from ..records import FrozenMap, ModuleInfo, StepRecord
 from ..report import Report
@@ -175,6 +176,9 @@ class Watch:
             return self
         self.active = True
         self._shielded = shield_sigint()
+        # Hooks cost torch one frame per nesting level: room for them while the watch is on (a model that
+        # trains plain trains watched).
+        self._room: Optional[RecursionRoom] = RecursionRoom(self.root).__enter__()
         try:
             self.hooks.install()
             if self.scaler is not None:
@@ -197,6 +201,10 @@ class Watch:
         self.cur = StepState()  # no reference to the user's inputs (or targets) after the block
         self.targets = None
         self.active = False
+        room: Optional[RecursionRoom] = getattr(self, "_room", None)
+        if room is not None:
+            room.__exit__(None, None, None)
+            self._room = None
         if getattr(self, "_shielded", False):
             self._shielded = False
             if unshield_sigint() and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
