@@ -34,6 +34,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 Undo = Callable[[], None]
 
 _PROTECTED: set[types.CodeType] = set()  # code objects whose frames an interrupt must not cut
+_OWNERS_IN_MAIN = [0]  # Cleanup owners open in the main thread
 
 
 class _Shield:
@@ -45,9 +46,19 @@ class _Shield:
     pending = False
 
 
+# torch's own exits that a diagnosis runs around the user's state and that no owner can redo afterwards (inference
+# mode is a C++ guard): while a diagnosis owns the main thread, a Ctrl-C inside them waits for the owner's exit.
+_WHILE_OWNED: set[types.CodeType] = {
+    torch.autograd.grad_mode.inference_mode.__enter__.__code__,
+    torch.autograd.grad_mode.inference_mode.__exit__.__code__,
+}
+
+
 def _protected(frame: Optional[types.FrameType]) -> bool:
+    owned = bool(_OWNERS_IN_MAIN[0])
     while frame is not None:
-        if frame.f_code in _PROTECTED:
+        code = frame.f_code
+        if code in _PROTECTED or (owned and code in _WHILE_OWNED):
             return True
         frame = frame.f_back
     return False
@@ -240,6 +251,8 @@ class Cleanup:
         _OWNERS.stack.append(self)
         self._open = True
         self._shielded = shield_sigint()
+        if self._shielded:
+            _OWNERS_IN_MAIN[0] += 1
         return self
 
     def add(self, undo: Undo) -> Undo:
@@ -276,6 +289,7 @@ class Cleanup:
         pending = False
         if self._shielded:
             self._shielded = False
+            _OWNERS_IN_MAIN[0] -= 1
             pending = unshield_sigint()
         if pending and not isinstance(exc, KeyboardInterrupt):
             _previous(signal.SIGINT, sys._getframe(1))  # the user's Ctrl-C, now that everything is back
