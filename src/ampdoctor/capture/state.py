@@ -43,6 +43,7 @@ class RngState:
             numpy=np.random.get_state(),
         )
 
+    @uninterrupted
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None and _cuda_ready():
