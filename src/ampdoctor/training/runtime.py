@@ -31,7 +31,6 @@ read-back into a record), ``runs`` and ``divergence`` (harmless / persistent / d
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections import deque
 from pathlib import Path
 from types import TracebackType
@@ -41,11 +40,10 @@ import torch
 from torch import nn
 
 from ..capture import sharded
-from ..capture.cleanup import raise_held_interrupt, shield_sigint, uninterrupted, unshield_sigint
+from ..capture.cleanup import HeldWhileOn, uninterrupted
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import eager_calls, unwrap_model
 from ..capture.stats import format_limits
-from ..capture.walk import RecursionRoom
 from ..errors import AmpDoctorError
 from ..records import FrozenMap, ModuleInfo, StepRecord
 from ..report import Report
@@ -170,15 +168,11 @@ class Watch:
 
     @uninterrupted
     def start(self) -> Watch:
-        """Install the root hooks and tap the scaler (``__enter__`` does this). Until :meth:`close`, a Ctrl-C
-        that arrives while the watch installs or removes something waits until it is done."""
+        """Install the root hooks and tap the scaler (``__enter__`` does this)."""
         if self.active:
             return self
         self.active = True
-        self._shielded = shield_sigint()
-        # Hooks cost torch one frame per nesting level: room for them while the watch is on (a model that
-        # trains plain trains watched).
-        self._room: Optional[RecursionRoom] = RecursionRoom(self.root).__enter__()
+        self._held: Optional[HeldWhileOn] = HeldWhileOn(self.root)  # Ctrl-C waits for installs; stack room
         try:
             self.hooks.install()
             if self.scaler is not None:
@@ -191,8 +185,7 @@ class Watch:
 
     @uninterrupted
     def close(self) -> None:
-        """Remove every hook and leave the scaler's taps; the records stay (``__exit__`` does this). Idempotent;
-        runs to its end even when Ctrl-C arrives meanwhile (that Ctrl-C is raised afterwards)."""
+        """Remove every hook and leave the scaler's taps; the records stay (``__exit__`` does this)."""
         self.cur.remove_hooks()
         self.hooks.remove()
         for tap in self._taps:
@@ -201,14 +194,9 @@ class Watch:
         self.cur = StepState()  # no reference to the user's inputs (or targets) after the block
         self.targets = None
         self.active = False
-        room: Optional[RecursionRoom] = getattr(self, "_room", None)
-        if room is not None:
-            room.__exit__(None, None, None)
-            self._room = None
-        if getattr(self, "_shielded", False):
-            self._shielded = False
-            if unshield_sigint() and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
-                raise_held_interrupt()
+        held, self._held = getattr(self, "_held", None), None
+        if held is not None:
+            held.release()  # last: a Ctrl-C held meanwhile is raised here
 
     # -- public verbs ----------------------------------------------------------------------------------------
     def set_targets(self, targets: Any) -> None:
