@@ -5,8 +5,8 @@ BatchNorm, and a 200-layer narrow MLP) this measures, against **plain** (one AMP
 ``autocast`` forward, loss, backward of the loss times GradScaler's default scale 2**16, ``.grad`` set to None
 first):
 
-* **survey**: one ampdoctor survey pass as ``diagnose`` runs it (``run_pass(spec, scale, detailed=False,
-  histograms=True)``): forward hooks on every module, gradient hooks on their outputs and on every parameter,
+* **survey**: one ampdoctor survey pass as ``diagnose`` runs it (``run_pass(spec, scale,
+  PassOptions(histograms=1))``): forward hooks on every module, gradient hooks on their outputs and on every parameter,
   statistics read back once; the per-step cost of capture, and the per-tensor cost on the narrow MLP;
 * **DebugUnderflowOverflow** (transformers, when installed): the plain step with that tool attached (forward
   only; it keeps no handles, so it is attached to a deep copy and taken off afterwards);
@@ -55,6 +55,7 @@ from overhead_models import CASES, SCALE_OVERFLOW_SCALE, Case, build_case, forwa
 from torch import nn
 
 import ampdoctor
+from ampdoctor.capture.options import PassOptions
 from ampdoctor.capture.passes import PassSpec, run_pass
 
 SCALE = 2.0**16  # torch.amp.GradScaler's default initial scale, the one diagnose uses without a scaler
@@ -138,7 +139,7 @@ class Steps:
         if mode == "plain":
             plain_step(case.model, case.batch, case.loss_fn)
         elif mode == "survey":
-            run_pass(self.spec, SCALE, detailed=False, histograms=True)
+            run_pass(self.spec, SCALE, PassOptions(histograms=1))
         elif mode == "duo":
             assert self.duo_model is not None
             plain_step(self.duo_model, case.batch, case.loss_fn)

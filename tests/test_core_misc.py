@@ -10,6 +10,7 @@ from helpers import ampdoctor_frames_during, plain_amp_step, snapshot
 from torch import nn
 
 import ampdoctor
+from ampdoctor.capture.options import PassOptions
 from ampdoctor.capture.passes import PassSpec, run_pass
 from ampdoctor.cli.main import main
 from ampdoctor.demo import DEMO_ORIGIN, demo_loss, make_demo
@@ -162,7 +163,7 @@ def test_one_readback_per_pass_and_no_item_calls(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(torch.Tensor, "item", counting("item", original_item))
     monkeypatch.setattr(torch.Tensor, "tolist", counting("tolist", original_tolist))
-    trace, _ = run_pass(_spec(model, torch.randn(4, 8)), 1024.0, detailed=False)
+    trace, _ = run_pass(_spec(model, torch.randn(4, 8)), 1024.0)
     assert counts == {"item": 0, "tolist": 1}
     assert len(trace.calls) == 1 + 5 + 10 and trace.backward_ran  # root, 5 Sequential, 5 Linear + 5 ReLU
     assert len([e for e in trace.grad_events if e.kind == "param"]) == 10
@@ -175,7 +176,7 @@ def test_survey_keeps_no_activation_alive() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     refs: list[weakref.ref[torch.Tensor]] = []
     hook = model[0].register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
-    trace, _ = run_pass(_spec(model, torch.randn(4, 8)), 1.0, detailed=True)
+    trace, _ = run_pass(_spec(model, torch.randn(4, 8)), 1.0, PassOptions(detailed=True))
     hook.remove()
     gc.collect()
     assert refs and all(r() is None for r in refs)
@@ -224,7 +225,7 @@ def test_the_gradient_hooks_keep_no_activation_alive_during_the_pass() -> None:
 
     spec = _spec(model, torch.randn(4, 8))
     spec.loss_fn = loss_fn
-    run_pass(spec, 1.0, detailed=False)
+    run_pass(spec, 1.0)
     assert alive == [0]  # the outputs of the first two Scale calls are gone before the backward
 
 

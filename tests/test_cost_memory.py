@@ -53,7 +53,7 @@ def test_pass_estimate_counts_each_recorded_tensor_once() -> None:
         root=model, names={id(m): n for n, m in model.named_modules()}, params=list(model.named_parameters()),
         batch=torch.ones(2, 8), loss_fn=None, device_type="cpu", dtype=torch.float16, backward=True,
     )
-    survey, _ = run_pass(spec, 1.0, False)
+    survey, _ = run_pass(spec, 1.0)
     # Recorded tensors: batch 2x8 float32 (64 B), Linear out 2x32 float16 (128 B), ReLU out 2x32 (128 B: a new
     # tensor), last out 2x4 float16 (16 B): 336 B; the two largest (128 + 128) twice more in flight: 512 B.
     assert pass_estimate(survey, "survey") == 336 + 512
@@ -124,7 +124,7 @@ def test_parameter_gradients_are_not_kept_by_a_pass(monkeypatch: pytest.MonkeyPa
         return out
 
     monkeypatch.setattr(torch.autograd, "grad", grad)
-    trace, _ = run_pass(spec, 1024.0, False)
+    trace, _ = run_pass(spec, 1024.0)
     assert returned and all(g.stride() == (0,) * g.dim() and not g.any() for g in returned[0])
     monkeypatch.undo()
     with torch.autocast("cpu", dtype=torch.float16):

@@ -11,6 +11,7 @@ from helpers import assert_untouched, snapshot
 from torch import nn
 
 import ampdoctor
+from ampdoctor.capture.options import PassOptions
 from ampdoctor.capture.passes import PassSpec, SharedForward, run_pass
 from ampdoctor.capture.state import StateGuard
 
@@ -181,13 +182,14 @@ def test_a_probe_on_the_shared_graph_equals_a_fresh_pass() -> None:
     )
     guard = StateGuard(model, spec.params)
     share = SharedForward()
+    histograms = PassOptions(histograms=1)
     try:
-        run_pass(spec, 1024.0, False, guard=guard, share=share, histograms=True)
-        shared, _ = run_pass(spec, 2.0**20, False, guard=guard, share=share, histograms=True)
+        run_pass(spec, 1024.0, histograms, guard, share=share)
+        shared, _ = run_pass(spec, 2.0**20, histograms, guard, share=share)
         shared_hist = dict(share.histograms)
     finally:
         share.release()
-    fresh, _ = run_pass(spec, 2.0**20, False, guard=guard, share=SharedForward(), histograms=True)
+    fresh, _ = run_pass(spec, 2.0**20, histograms, guard, share=SharedForward())
     guard.restore()
     assert shared == fresh  # the same dropout masks (rewound RNG), the same gradients
     assert shared_hist and shared_hist.keys() == {name for name, _ in model.named_parameters()}

@@ -41,13 +41,13 @@ def test_one_host_sync_per_survey_pass() -> None:
         dtype=torch.float16,
         backward=True,
     )
-    run_pass(spec, 1024.0, detailed=False)  # warm-up: allocator and kernels
+    run_pass(spec, 1024.0)  # warm-up: allocator and kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trace, _ = run_pass(spec, 1024.0, detailed=False)
+            trace, _ = run_pass(spec, 1024.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]

@@ -7,7 +7,10 @@ import re
 import subprocess
 import sys
 from html.parser import HTMLParser
+from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from notebook_reports import (
@@ -22,6 +25,7 @@ from notebook_reports import (
 
 from ampdoctor.records import Cost, Recommendation, StepRecord
 from ampdoctor.report import Report
+from ampdoctor.report import html as html_module
 from ampdoctor.report.html import (
     COLLAPSE_MIN_RUN,
     FULL_TABLE_ROWS,
@@ -221,13 +225,26 @@ def test_text_fallback_is_the_escaped_text_report() -> None:
     assert render_text(report) in checker.text
 
 
-def test_stylesheet_is_package_data_read_once() -> None:
+def test_stylesheet_is_the_package_data_file_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    css = (Path(html_module.__file__).resolve().parents[1] / "static" / "report.css").read_text(encoding="utf-8")
+    reads: list[str] = []
+
+    def files(package: str) -> Any:
+        reads.append(package)
+        return resources.files(package)
+
+    monkeypatch.setattr(html_module, "resources", SimpleNamespace(files=files))
     stylesheet.cache_clear()
-    first = render_html(healthy_report())
-    render_html(overflow_report())
-    info = stylesheet.cache_info()
-    assert info.misses == 1 and info.hits >= 1
-    assert ".ampdoctor" in stylesheet() and stylesheet() in first
+    rendered = [render_html(healthy_report()), render_html(overflow_report()), render_html(healthy_report())]
+    assert reads == ["ampdoctor"]  # three reports, one read of the package data
+    assert stylesheet() == css
+    for markup in rendered:
+        # the stylesheet, whole and once, ahead of the report it styles
+        assert markup.startswith(f"<style>{css}</style>") and markup.count("</style>") == 1
+        # without it a viewer shows the text fallback; with it, the hidden wrapper shows and the fallback does not
+        assert '<pre class="ad-text-fallback">' in markup and '<div class="ad-wrap" hidden>' in markup
+    assert ".ampdoctor .ad-text-fallback { display: none; }" in css.splitlines()
+    assert ".ampdoctor .ad-wrap[hidden] { display: block !important; }" in css.splitlines()
 
 
 def test_report_from_json_renders_without_a_live_model() -> None:

@@ -36,13 +36,12 @@ from .capture.dtypes import autocast_dtype, dtype_name, model_device_type
 from .capture.emulate import should_emulate_cuda
 from .capture.memory import available_bytes, describe, pass_estimate
 from .capture.model import eager_calls, unwrap_model
-from .capture.passes import LossFn, PassSpec, capture_params
-from .capture.progress import Progress
-from .capture.session import ProgressFn, Session, progress_callback
+from .capture.options import DiagnoseOptions, LossFn, PassOptions, ProgressOption
+from .capture.passes import PassSpec, capture_params
+from .capture.session import Session, progress_callback
 from .capture.sharded import full_model
 from .capture.state import StateGuard
 from .capture.stats import format_limits
-from .errors import InvalidInput
 from .fixes.recommend import recommend
 from .fixes.verify import VerifyContext, verify_recommendations
 from .records import BATCH, LOSS, ModuleInfo, PassTrace, Recommendation, RunInfo
@@ -66,8 +65,8 @@ def diagnose(
     scale_window: bool = True,
     reference: Union[bool, int] = False,
     policy: Optional[str] = None,
-    memory_limit: Optional[int] = None,
-    progress: Union[None, bool, ProgressFn, Progress] = None,
+    memory_limit: Union[None, int, str] = None,
+    progress: ProgressOption = None,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -97,28 +96,33 @@ def diagnose(
         policy: whose autocast op policy the passes follow: ``"native"`` (torch.autocast on ``device_type``) or
             ``"cuda"`` (CUDA's op lists, emulated on CPU tensors: what CUDA would do, on a machine without a
             GPU). Default: native, except that ``device_type="cuda"`` on a machine without CUDA emulates.
-        memory_limit: bytes a pass may add to what is in use when ``diagnose`` starts; an optional pass whose
-            peak, estimated from the survey, would exceed it is skipped (and listed). Default: the memory the
-            device has available.
+        memory_limit: bytes a pass may add to what is in use when ``diagnose`` starts (an int >= 0, or text with a
+            unit: ``"512MiB"``, ``"1.5GB"``; B, kB/KB, MB, GB, TB count in powers of 1000, KiB, MiB, GiB, TiB in
+            powers of 1024); an optional pass whose peak, estimated from the survey, would exceed it is skipped
+            (and listed). Default: the memory the device has available.
         progress: show one progress line on stderr naming each pass (``True``), never (``False``), use a
             :class:`ampdoctor.capture.progress.Progress`, or call ``progress(purpose, index, total)`` as each pass
             starts. Default: shown when stderr is a terminal, silent otherwise.
+
+    Every keyword is checked before anything runs: a value of the wrong type or range (``scale=True``,
+    ``memory_limit=-1``, ``reference=-3``, ``loss_fn=3``) raises :class:`ampdoctor.InvalidInput` naming the keyword,
+    the value and what it takes.
 
     Nothing the user owns changes (see the README's promises): parameters, buffers, ``.grad`` fields,
     ``training`` flags, RNG states and the scaler are as before, a backward the user built before the call still
     runs, and no hook stays behind. Each pass reads statistics back from the device once.
     """
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise InvalidInput(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    options = DiagnoseOptions(
+        loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler, backward=backward, scale=scale,
+        fp32_reference=fp32_reference, verify=verify, scale_window=scale_window, reference=reference,
+        policy=policy, memory_limit=memory_limit, progress=progress,
+    )
     check_batch(batch)
     root, notes = unwrap_model(model)
     # An FSDP2 model is diagnosed on its gathered full parameters (collective: every rank calls diagnose), and a
     # model.compile()d one eagerly: capture must see every call.
     with full_model(root) as root, eager_calls(root), _outside_user_autocast():
-        return _diagnose_model(
-            root, notes, batch, loss_fn, dtype, device_type, scaler, backward, scale, fp32_reference, verify,
-            scale_window, reference, policy, memory_limit, progress,
-        )
+        return _diagnose_model(root, notes, batch, options)
 
 
 @contextlib.contextmanager
@@ -133,34 +137,18 @@ def _outside_user_autocast() -> Iterator[None]:
         yield
 
 
-def _diagnose_model(
-    root: nn.Module,
-    notes: list[str],
-    batch: Any,
-    loss_fn: Optional[LossFn],
-    dtype: torch.dtype,
-    device_type: Optional[str],
-    scaler: Any,
-    backward: bool,
-    scale: Optional[float],
-    fp32_reference: bool,
-    verify: bool,
-    scale_window: bool,
-    reference: Union[bool, int],
-    policy: Optional[str],
-    memory_limit: Optional[int],
-    progress: Union[None, bool, ProgressFn, Progress],
-) -> Report:
+def _diagnose_model(root: nn.Module, notes: list[str], batch: Any, options: DiagnoseOptions) -> Report:
     check_model(root)
-    device_type = device_type or model_device_type(root, batch)
-    if policy not in (None, "native", "cuda"):
-        raise InvalidInput(f"policy must be 'native' or 'cuda', got {policy!r}")
+    device_type = options.device_type or model_device_type(root, batch)
+    policy = options.policy
     emulate = policy == "cuda" or (policy is None and should_emulate_cuda(device_type))
     if not emulate:
         check_device(device_type)
-    used_scale, scale_source, environment = resolve_scale(scaler, scale, dtype)
-    limit = memory_limit if memory_limit is not None else available_bytes("cpu" if emulate else device_type)
-    shown = progress_callback(progress)
+    used_scale, scale_source, environment = resolve_scale(options.scaler, options.scale, options.dtype)
+    limit = options.memory_bytes
+    if limit is None:
+        limit = available_bytes("cpu" if emulate else device_type)
+    shown = progress_callback(options.progress)
     # Inside torch.inference_mode() autograd is off and tensors cannot be saved for backward: run with it off
     # (the context puts the user's mode back), on normal copies of inference tensors.
     with torch.inference_mode(False), shown as callback:
@@ -169,16 +157,16 @@ def _diagnose_model(
             names={id(m): name for name, m in root.named_modules()},
             params=list(root.named_parameters()),
             batch=usable_batch(batch),
-            loss_fn=loss_fn,
+            loss_fn=options.loss_fn,
             device_type="cpu" if emulate else device_type,
-            dtype=dtype,
-            backward=backward,
+            dtype=options.dtype,
+            backward=options.backward,
             policy="cuda_emulated" if emulate else "native",
         )
         guard = StateGuard(root, spec.params)
         session = Session(spec, guard, limit, callback)
         try:
-            report = _diagnose(session, used_scale, scale_source, fp32_reference, scale_window, reference, verify)
+            report = _diagnose(session, used_scale, scale_source, options)
         finally:
             session.close()
             guard.restore()
@@ -190,26 +178,20 @@ def _diagnose_model(
     return dataclasses.replace(report, run=run)
 
 
-def _diagnose(
-    session: Session,
-    used_scale: float,
-    scale_source: str,
-    fp32_reference: bool,
-    scale_window: bool,
-    reference: Union[bool, int],
-    verify: bool,
-) -> Report:
+def _diagnose(session: Session, used_scale: float, scale_source: str, options: DiagnoseOptions) -> Report:
     spec = session.spec
+    fp32_reference = options.fp32_reference
     limits = format_limits(spec.dtype)
     named = list(spec.root.named_modules())
     # Parameters at the survey level (min, max, zeros); in detail only when a detailed re-run follows.
     modules = capture_params(spec, named, detailed=False)
-    survey = _survey(session, used_scale, reference)
+    survey = _survey(session, used_scale, options.reference)
     check_autocast_effect(survey, limits.dtype, "cuda" if spec.policy == "cuda_emulated" else spec.device_type)
     origin = forward_origin(survey)
     def run(at_scale: float, autocast: bool, histograms: bool) -> tuple[PassTrace, dict[str, list[float]]]:
         # A probe that may be the top is the reference for predictions: every low-precision gradient's histogram.
-        return session.run(at_scale, autocast=autocast, histograms=2 if histograms else 0), session.histograms
+        trace = session.run(at_scale, PassOptions(autocast=autocast, histograms=2 if histograms else 0))
+        return trace, session.histograms
 
     runner = Runner(run, fp32_reference)
     runner.seed(survey, session.histograms)
@@ -225,7 +207,7 @@ def _diagnose(
             underflow = session.optional(
                 "underflow reference", lambda: underflow_reference(runner, survey, modules, limits), None
             )
-        if scale_window and (
+        if options.scale_window and (
             survey.gradients_finite() or (scale_finding is not None and scale_finding.largest_finite_scale)
         ):
             window = session.optional(
@@ -245,7 +227,8 @@ def _diagnose(
         at_scale = used_scale
         if scale_finding is not None and scale_finding.analysed_scale is not None:
             at_scale = scale_finding.analysed_scale
-        detail = lambda: session.run(at_scale, detailed=True, zoom=zoom, backward_zoom=scale_finding is not None)  # noqa: E731
+        detailed = PassOptions(detailed=True, zoom=zoom, backward_zoom=scale_finding is not None)
+        detail = lambda: session.run(at_scale, detailed)  # noqa: E731
         # Without the detailed re-run the report stands on the survey (no op zoom, survey-level counts).
         final = session.optional("detail and op zoom", detail, survey)
         modules = capture_params(spec, named)
@@ -278,7 +261,7 @@ def _diagnose(
     cpu_policy = spec.policy == "native" and spec.device_type == "cpu"
     findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy)
     recommendations = recommend(findings, run_info, modules)
-    if verify and recommendations:
+    if options.verify and recommendations:
         recommendations = _verify(
             session, runner, modules, survey, findings, recommendations, used_scale, scale_finding
         )
@@ -321,14 +304,15 @@ def _cost_notes(
 def _survey(session: Session, used_scale: float, reference: Union[bool, int]) -> PassTrace:
     """The first pass. With ``reference`` it also re-runs calls in float32; a module that cannot run in float32
     (a float16-only kernel) costs the comparisons, not the diagnosis."""
+    plain = PassOptions(histograms=1)
     if reference is False:
-        return session.run(used_scale, histograms=1)
+        return session.run(used_scale, plain)
     with session.stage("survey with float32 references"):
         try:
-            return session.run(used_scale, compare=reference, histograms=1)
+            return session.run(used_scale, dataclasses.replace(plain, reference=reference))
         except Exception:
             pass  # in the log; the plain survey below is the diagnosis
-    return session.run(used_scale, histograms=1)
+    return session.run(used_scale, plain)
 
 
 def _verify(

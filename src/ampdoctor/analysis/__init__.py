@@ -7,7 +7,6 @@
 
 from .analyze import analyze
 from .findings import (
-    VERDICTS,
     Divergence,
     Findings,
     Growth,
@@ -25,7 +24,6 @@ from .headroom import headroom_bits, near_limit
 from .origin import backward_origin, classify, forward_creators, forward_origin, is_fill_mask, is_mask, origin_event
 
 __all__ = [
-    "VERDICTS",
     "Divergence",
     "Findings",
     "Growth",

@@ -19,8 +19,6 @@ from ..records import (
 )
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 
-VERDICTS: tuple[Verdict, ...] = typing.get_args(Verdict)
-
 # Ops whose non-finite result comes from a pole (log(0), 1/0), not from running out of range: "nan" verdict.
 POLE_OPS = frozenset(
     {"aten::log", "aten::log2", "aten::log10", "aten::reciprocal", "aten::rsqrt", "aten::xlogy", "aten::digamma"}

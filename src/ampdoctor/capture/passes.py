@@ -11,7 +11,7 @@ import gc
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -23,13 +23,13 @@ from .cleanup import cleaned, on_cleanup, uninterrupted
 from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hooks import Recorder
+from .options import PLAIN_PASS, LossFn, PassOptions
 from .reference import FloatReference
 from .state import StateGuard
 from .stats import StatsCollector
 from .walk import RecursionRoom, call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 # A survey keeps its graph for the probes when the parameters' gradients are at least this many times the largest
 # recorded tensor (see _Step.cheap_to_keep).
 KEEP_FACTOR = 4
@@ -104,25 +104,21 @@ class SharedForward:
 def run_pass(
     spec: PassSpec,
     scale: float,
-    detailed: bool,
-    zoom: Optional[tuple[str, int]] = None,
-    autocast: bool = True,
-    backward_zoom: bool = False,
-    reference: Union[bool, int] = False,
+    options: PassOptions = PLAIN_PASS,
     guard: Optional[StateGuard] = None,
     *,
     share: Optional[SharedForward] = None,
     keep: bool = True,
-    histograms: int = 0,
 ) -> tuple[PassTrace, str]:
     """Run one autocast forward and one scaled backward with hooks; return the records and the loss source.
 
-    ``autocast=False`` runs the same step in float32: the reference for counting underflowed gradients.
-    ``backward_zoom`` records each autograd node's forward stack (anomaly mode) and finds the backward op that
-    made the first non-finite gradient. ``reference`` (True: leaf modules; an int n: the modules n levels down)
-    compares each chosen call against a float32 re-run of that call alone. ``histograms``: binade histograms of
-    the parameter gradients (1), and of every gradient held in the low precision too (2): ``share.histograms``
-    afterwards, by parameter name, and ``GRADIENT_KEY`` + the gradient's order for the others.
+    ``options`` (:class:`PassOptions`) says what the pass measures: ``autocast=False`` runs the same step in
+    float32, the reference for counting underflowed gradients; ``backward_zoom`` records each autograd node's
+    forward stack (anomaly mode) and finds the backward op that made the first non-finite gradient;
+    ``reference`` (True: leaf modules; an int n: the modules n levels down) compares each chosen call against a
+    float32 re-run of that call alone; ``histograms``: binade histograms of the parameter gradients (1), and of
+    every gradient held in the low precision too (2): ``share.histograms`` afterwards, by parameter name, and
+    ``GRADIENT_KEY`` + the gradient's order for the others.
 
     With ``share``, a survey-level pass keeps its graph there (unless ``keep`` is False), and a later
     survey-level pass of the same spec at another scale runs only its backward on it; any other pass first
@@ -133,19 +129,19 @@ def run_pass(
     # Same spec, same options, and no module's forward replaced since (a float32 fallback under verification).
     modules = list(spec.root.modules())
     overrides = tuple(id(m.__dict__.get("forward")) for m in modules)
-    key = (id(spec), spec.dtype, detailed, zoom, autocast, backward_zoom, reference, overrides)
+    key = (id(spec), spec.dtype, options.forward_key(), overrides)
     if share is not None and share.step is not None:
         if keep and share.step.key == key and share.step.repeatable:
-            trace = share.step.backward(scale, keep=True, histograms=histograms)
+            trace = share.step.backward(scale, keep=True, histograms=options.histograms)
             share.histograms = share.step.histograms
             return trace, share.step.loss_source
         share.release()
-    step = _Step(spec, modules, key, detailed, zoom, autocast, backward_zoom, reference, guard)
+    step = _Step(spec, modules, key, options, guard)
     kept = False
     try:
         step.forward()
         kept = share is not None and keep and step.repeatable and step.cheap_to_keep()
-        trace = step.backward(scale, keep=kept, histograms=histograms)
+        trace = step.backward(scale, keep=kept, histograms=options.histograms)
     finally:
         if not kept:
             step.close()
@@ -164,24 +160,21 @@ class _Step:
         spec: PassSpec,
         modules: list[nn.Module],
         key: tuple[Any, ...],
-        detailed: bool,
-        zoom: Optional[tuple[str, int]],
-        autocast: bool,
-        backward_zoom: bool,
-        reference: Union[bool, int],
+        options: PassOptions,
         guard: Optional[StateGuard],
     ) -> None:
-        self.spec, self.key, self.detailed, self.guard = spec, key, detailed, guard
-        self.autocast, self.backward_zoom = autocast, backward_zoom
+        self.spec, self.key, self.detailed, self.guard = spec, key, options.detailed, guard
+        self.autocast, self.backward_zoom = options.autocast, options.backward_zoom
         # Activations and their gradients: min and max at the survey level (zeros only where analysis counts them).
-        self.collector = StatsCollector(spec.dtype, detailed, zeros=False)
+        self.collector = StatsCollector(spec.dtype, options.detailed, zeros=False)
         self.float_reference = None
+        reference, zoom = options.reference, options.zoom
         if reference is not False:
             depth = None if reference is True else int(reference)
             self.float_reference = FloatReference(self.collector, depth, spec.device_type)
         self.recorder = Recorder(spec.names, modules, self.collector, spec.backward, zoom, self.float_reference)
         self.loss_zoom = OpZoom(LOSS, 0) if zoom == (LOSS, 0) else None
-        self.back_zoom = BackwardZoom() if backward_zoom else None
+        self.back_zoom = BackwardZoom() if options.backward_zoom else None
         self.contexts = contextlib.ExitStack()  # installed for the whole pass (closed by close())
         self.region = contextlib.ExitStack()  # the forward's autocast and copy-on-write region
         self._undo: Optional[Callable[[], None]] = None

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
-from typing import Callable, Optional, TypeVar, Union
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -15,13 +15,12 @@ from ..errors import OutOfMemory
 from ..records import PassRecord, PassTrace
 from .dtypes import dtype_name
 from .memory import describe, is_out_of_memory, pass_estimate
+from .options import PLAIN_PASS, PassOptions, ProgressFn, ProgressOption
 from .passes import PassSpec, SharedForward, run_pass
 from .progress import Progress, progress_on_stderr
 from .state import StateGuard
 
 T = TypeVar("T")
-# progress(purpose, index, total): called as each pass starts (index from 0; total None: not known in advance).
-ProgressFn = Callable[[str, int, Optional[int]], None]
 SURVEY = "survey"
 _PROBING = (SURVEY, "scale probe", "underflow reference", "loss-scale window")
 
@@ -48,30 +47,20 @@ class Session:
         self.survey: Optional[PassTrace] = None  # the first pass, for memory estimates
 
     def run(
-        self,
-        at_scale: float,
-        detailed: bool = False,
-        zoom: Optional[tuple[str, int]] = None,
-        autocast: bool = True,
-        backward_zoom: bool = False,
-        compare: Union[bool, int] = False,
-        dtype: Optional[torch.dtype] = None,
-        histograms: int = 0,
+        self, at_scale: float, options: PassOptions = PLAIN_PASS, dtype: Optional[torch.dtype] = None
     ) -> PassTrace:
+        """One pass at ``at_scale`` measuring what ``options`` asks for, in ``dtype`` (default: the spec's)."""
         spec = self.spec if dtype is None else dataclasses.replace(self.spec, dtype=dtype)
-        record = PassRecord(self.purpose, at_scale, dtype_name(spec.dtype) if autocast else "float32")
-        survey_level = dtype is None and autocast and not detailed and compare is False
+        record = PassRecord(self.purpose, at_scale, dtype_name(spec.dtype) if options.autocast else "float32")
+        survey_level = dtype is None and options.survey_level
         # The graph is kept for the probes at other scales only; a verification re-run drops it at once.
         keep = survey_level and self.purpose in _PROBING
-        self._check_memory(record, detailed, autocast, survey_level)
+        self._check_memory(record, options.detailed, options.autocast, survey_level)
         if self.progress is not None:
             self.progress(self.purpose, len(self.log), None)
         start = time.perf_counter()
         try:
-            trace, source = run_pass(
-                spec, at_scale, detailed, zoom, autocast, backward_zoom, compare, self.guard,
-                share=self.share, keep=keep, histograms=histograms,
-            )
+            trace, source = run_pass(spec, at_scale, options, self.guard, share=self.share, keep=keep)
         except Exception as exc:
             self.share.release()
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
@@ -80,7 +69,7 @@ class Session:
             if self.survey is None and is_out_of_memory(exc):
                 raise _out_of_memory(reason) from exc
             raise
-        self.histograms = self.share.histograms if histograms else {}
+        self.histograms = self.share.histograms if options.histograms else {}
         self.log.append(dataclasses.replace(record, seconds=time.perf_counter() - start))
         self.loss_sources.append(source)
         if self.survey is None:
@@ -133,7 +122,7 @@ def _out_of_memory(reason: str) -> OutOfMemory:
 
 
 @contextlib.contextmanager
-def progress_callback(progress: Union[None, bool, ProgressFn, Progress]) -> Iterator[Optional[ProgressFn]]:
+def progress_callback(progress: ProgressOption) -> Iterator[Optional[ProgressFn]]:
     """The progress callback for ``diagnose(progress=...)``: the caller's function, the caller's ``Progress``
     (the CLI's), or one line on stderr (when it is a terminal, or ``True``); none for ``False``."""
     if isinstance(progress, Progress):

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 _MAX_WALK_DEPTH = 8
 
@@ -38,11 +37,6 @@ def iter_tensors(obj: Any, path: str, _depth: int = 0) -> Iterator[tuple[str, to
         for key, value in list(vars(obj).items()):
             if not key.startswith("__"):
                 yield from iter_tensors(value, f"{path}.{key}", _depth + 1)
-
-
-def floating_leaves(values: Any) -> list[torch.Tensor]:
-    """The floating tensors among the leaves of a (pytree) structure of op arguments or results."""
-    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:

@@ -12,7 +12,9 @@ from ..capture.model import strip_wrapper_prefixes
 from ..capture.progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
 from ..records import FrozenMap
-from .safe_load import SafetensorsMapping, checkpoint_files, is_malicious, load_file, refusal
+from ..report.inert import inert
+from .listing import list_checkpoint
+from .safe_load import SafetensorsMapping, is_malicious, load_file, refusal
 from .scan import _MAX_DEPTH, is_optimizer_state, is_scaler_state, join_key, number
 
 if TYPE_CHECKING:
@@ -97,7 +99,8 @@ def _best_state_dict(obj: Any, wanted: set[str]) -> tuple[dict[str, Any], int]:
 
 
 def _short_list(items: Sequence[str], n: int = 5) -> str:
-    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+    """The first ``n`` names (keys from the file: made inert), then how many there are."""
+    return ", ".join(inert(i) for i in items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
 def load_weights(
@@ -106,6 +109,7 @@ def load_weights(
     *,
     allow_globals: Sequence[str] = (),
     unsafe_load: bool = False,
+    trust: Sequence[str] = (),
     progress: Optional[Progress] = None,
 ) -> LoadedWeights:
     """Load a checkpoint's weights into ``model`` (strictly: every key, every shape).
@@ -114,14 +118,18 @@ def load_weights(
     best); DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.`` prefixes are dropped. A directory of shards
     is loaded one file at a time, twice: the first round only checks keys and shapes, so a checkpoint that does
     not fit leaves the model untouched. Raises :class:`AmpDoctorError` naming missing and unexpected keys and
-    shape mismatches. A file of a directory that names a global able to run code refuses the whole directory;
+    shape mismatches. ``trust``: packages an ``unsafe_load`` admits (see :func:`ampdoctor.scan`). A file of a
+    directory that names a global able to run code refuses the whole directory;
     when weights are missing and other files were refused, the refusal is the error (the weights may be there).
     The checkpoint is only read.
     """
     import torch
 
+    if trust and not unsafe_load:
+        raise InvalidInput("trust= admits globals only when loading with unsafe_load=True (CLI: --unsafe-load)")
     root = Path(path)
-    files = checkpoint_files(root)
+    listing = list_checkpoint(root)
+    files = listing.files
     own = model.state_dict()
     wanted = set(own)
     seen: set[str] = set()
@@ -134,9 +142,9 @@ def load_weights(
     shown = progress or NO_PROGRESS
     shown.stage("checking the checkpoint", total=len(files))
     for file in files:  # first round: check every file, load nothing
-        shown.detail(file.name)
+        shown.detail(inert(file.name))
         try:
-            loaded = load_file(file, allow_globals, unsafe_load)
+            loaded = load_file(file, allow_globals, unsafe_load, trust)
         except CheckpointRefused as refused:
             if not root.is_dir() or is_malicious(refused):
                 raise
@@ -164,10 +172,17 @@ def load_weights(
         shown.advance()
     missing = sorted(k for k in wanted - seen - set(mismatched) if not _tied_to(k, own, seen))
     if refusals and (missing or not used):
-        where = f"{root} ({', '.join(Path(r.path).name for r in refusals)})"
+        where = f"{inert(str(root))} ({', '.join(inert(Path(r.path).name) for r in refusals)})"
         raise refusal(where, [n for r in refusals for n in r.blocking])
+    unread = [u for u in listing.unread if u.missed]
+    if unread and (missing or not used):
+        reasons = "; ".join(f"{inert(u.name)}: {u.reason}" for u in unread)
+        raise CheckpointError(
+            f"{inert(str(root))}: {len(unread)} checkpoint file(s) could not be read ({reasons}); the weights they "
+            "hold are missing: finish the download or copy and try again"
+        )
     if not used:
-        raise CheckpointError(f"{root}: no file in it holds weights for this model")
+        raise CheckpointError(f"{inert(str(root))}: no file in it holds weights for this model")
     if missing or unexpected or mismatched:
         parts = []
         if missing:
@@ -177,13 +192,13 @@ def load_weights(
         if mismatched:
             parts.append(f"{len(mismatched)} shape mismatch(es): {_short_list(list(mismatched.values()))}")
         raise InvalidInput(
-            f"the weights in {root} do not fit the model ({type(model).__name__}): {'; '.join(parts)}; "
+            f"the weights in {inert(str(root))} do not fit the model ({type(model).__name__}): {'; '.join(parts)}; "
             "check that --model and --model-kwargs build the model that was trained"
         )
     shown.stage("loading the weights", total=len(used))
     for name in used:  # second round: everything fits; load one file at a time
-        shown.detail(name)
-        loaded = load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load)
+        shown.detail(inert(name))
+        loaded = load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load, trust)
         part, _ = _best_state_dict(loaded.obj, wanted)
         del loaded
         with torch.no_grad():

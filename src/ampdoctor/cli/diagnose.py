@@ -18,6 +18,7 @@ from .common import (
     emit,
     progress_for,
     render,
+    trusted_packages,
     user_code,
     warn_unsafe,
     warnings_as_notes,
@@ -143,6 +144,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     inputs = [p for p in (args.checkpoint, args.batch) if p]
     check_output(args.output, inputs)
     globals_ = allowed_globals(args)
+    trusted_packages(args, args.model)  # checked before torch is imported
     warn_unsafe(args)
     with progress_for(args) as progress, warnings_as_notes() as warned:
         progress.stage("starting (importing torch)")
@@ -179,7 +181,12 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
     progress.stage("building the model")
     model = build_model(args.model, plan.model_kwargs)
     loaded = load_weights(
-        model, args.checkpoint, allow_globals=globals_, unsafe_load=args.unsafe_load, progress=progress
+        model,
+        args.checkpoint,
+        allow_globals=globals_,
+        unsafe_load=args.unsafe_load,
+        trust=trusted_packages(args, args.model),
+        progress=progress,
     )
     progress.stage("making the batch")
     if plan.shape is not None:
@@ -238,6 +245,7 @@ def _replay(
             ("--input-dtype", args.input_dtype != "float32"),
             ("--allow-global", bool(args.allow_global)),
             ("--unsafe-load", args.unsafe_load),
+            ("--trust", bool(args.trust)),
         )
         if given
     ]

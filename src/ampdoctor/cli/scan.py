@@ -14,6 +14,7 @@ from .common import (
     allowed_globals,
     emit,
     progress_for,
+    trusted_packages,
     warn_unsafe,
     warnings_as_notes,
 )
@@ -67,13 +68,19 @@ def run_scan(args: argparse.Namespace) -> int:
         raise InvalidInput(f"{args.path}: no such file or directory")
     check_output(args.output, [args.path])
     globals_ = allowed_globals(args)
+    trust = trusted_packages(args)
     warn_unsafe(args)
     with progress_for(args) as progress, warnings_as_notes() as warned:
         progress.stage("starting (importing torch)")
         from ..checkpoint.scan import scan
 
         report = scan(
-            args.path, dtype=args.dtype, allow_globals=globals_, unsafe_load=args.unsafe_load, progress=progress
+            args.path,
+            dtype=args.dtype,
+            allow_globals=globals_,
+            unsafe_load=args.unsafe_load,
+            trust=trust,
+            progress=progress,
         )
     if warned:
         report = dataclasses.replace(report, notes=(*report.notes, *warned))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from ..analysis import forward_creators, headroom_bits, is_mask, origin_event
-from ..records import FormatLimits, GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats
+from ..records import FormatLimits, ModuleCall, TensorRecord, TensorStats
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 
 if TYPE_CHECKING:
@@ -258,13 +258,6 @@ def _call_rows(report: Report) -> list[CallRow]:
 def _inputs_abs_max(records: Sequence[TensorRecord]) -> Optional[float]:
     values = [r.stats.abs_max for r in records if r.stats.abs_max is not None]
     return max(values) if values else None
-
-
-def event_label(e: GradEvent, trace: PassTrace) -> str:
-    """The label of the call a gradient event belongs to; a parameter's gradient names the parameter."""
-    if e.call is not None and 0 <= e.call < len(trace.calls):
-        return trace.calls[e.call].label
-    return e.param or "?"
 
 
 def _grad_rows(report: Report) -> list[TensorRow]:

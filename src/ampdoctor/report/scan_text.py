@@ -17,6 +17,7 @@ from tabulate import tabulate
 from ..analysis.scan import FLOAT8_SATURATED_SHARE, LOW_SCALER_SCALE
 from ..records.scan import SECOND_MOMENT_KEYS, ModuleSummary, ScanFinding, ScannedTensor
 from ..thresholds import DEFAULT_FP16_SCALE, HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
+from .inert import inert_names
 from .text import describe_bad, fmt_num
 
 if TYPE_CHECKING:
@@ -197,6 +198,22 @@ def _refused(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
+def _unread_reasons(f: ScanFinding, r: ScanReport) -> str:
+    why = {file.name: file.skipped for file in r.files}
+    return "; ".join(f"{name}: {why.get(name) or 'not read'}" for name in f.tensors)
+
+
+def _unread(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+    return f"{len(f.tensors)} checkpoint file(s) could not be read: this scan is incomplete", (
+        f"{_unread_reasons(f, r)}; the findings cover only the files that were read: finish the download or copy "
+        "(or restore the missing files) and scan again"
+    )
+
+
+def _skipped_unread(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+    return f"{len(f.tensors)} file(s) skipped", f"{_unread_reasons(f, r)}: left out of this scan"
+
+
 def _no_tensors(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     return f"{len(f.tensors)} file(s) hold no tensors", f"{_first(f.tensors)}: left out of this scan"
 
@@ -215,6 +232,8 @@ _WORDS: dict[str, Callable[[ScanFinding, ScanReport], tuple[str, str]]] = {
     "refused_file": _refused,
     "refused_unknown": _refused,
     "no_tensors": _no_tensors,
+    "unread": _unread,
+    "skipped_unread": _skipped_unread,
 }
 
 
@@ -243,8 +262,10 @@ def summary_lines(report: ScanReport) -> list[str]:
     measured = [t for t in report.tensors if t.stats.measured]
     values = sum(t.stats.numel for t in measured)
     lim = report.limits
+    unread = sum(1 for f in report.files if f.unread)
+    not_read = f" ({unread} not read)" if unread else ""
     lines = [
-        f"{report.path}: {len(report.files)} file(s), {len(measured)} floating tensor(s), {values} values; "
+        f"{report.path}: {len(report.files)} file(s){not_read}, {len(measured)} floating tensor(s), {values} values; "
         f"torch {report.torch_version}",
         f"checked against {report.dtype}: max {lim.max:g}, inf from |x| >= {lim.overflow_threshold:g}, "
         f"zero for 0 < |x| <= {fmt_num(lim.flush_threshold)}",
@@ -397,7 +418,9 @@ def _table(table: Table) -> str:
 
 
 def render_scan_text(report: ScanReport, max_rows: int = 20) -> str:
-    """The verdict line, the findings, the scaler and optimizer state, then per-module and per-tensor tables."""
+    """The verdict line, the findings, the scaler and optimizer state, then per-module and per-tensor tables.
+    Names from the files are shown inert (:func:`~.inert.inert_names`)."""
+    report = inert_names(report)
     lines = [verdict_line(report), *("  " + line for line in summary_lines(report))]
     for severity, title in (("error", "Findings"), ("warning", "Warnings")):
         chosen = [f for f in report.findings if f.severity == severity]

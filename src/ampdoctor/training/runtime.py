@@ -34,7 +34,7 @@ import dataclasses
 from collections import deque
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -44,7 +44,6 @@ from ..capture.cleanup import HeldWhileOn, uninterrupted
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import eager_calls, unwrap_model
 from ..capture.stats import format_limits
-from ..errors import AmpDoctorError
 from ..records import FrozenMap, ModuleInfo, StepRecord
 from ..report import Report
 from .bundle import PathLike
@@ -52,26 +51,26 @@ from .compiled import COMPILED_NOTE, NO_STATS_NOTE
 from .compose import RankPayload, compose_report, trends
 from .failures import FailureTracker, Plan
 from .hooks import MAX_MICRO_BATCHES, WatchHooks
+from .options import (
+    DEFAULT_HISTORY,
+    DEFAULT_MAX_CAPTURES,
+    DEFAULT_STATS_EVERY,
+    MAX_KEPT_OUTPUT_GRAD_BYTES,
+    WatchOptions,
+    check_scaler,
+    parameters_of,
+)
 from .quiet import own_capture
 from .readback import Decoded, Extra, StepState, detach_tree, found_inf_flags, loss_value, scale_value
 from .replay_step import LossFn, StepReplayer
 from .runs import is_bad
 from .taps import Tap, join
 
-# Per-module statistics every this many steps by default (every skipped step is captured regardless).
-DEFAULT_STATS_EVERY = 50
 # After a loss leaves its range, this many further steps are sampled (to see what grows during a divergence).
 DENSE_STEPS_AFTER_JUMP = 10
 # Weight norms (one read of every parameter) on sampled steps that are multiples of this, on the steps sampled
 # after a loss jump, and at the start of every run of bad steps.
 WEIGHT_NORMS_EVERY = 10
-# Steps kept in the ring buffer.
-DEFAULT_HISTORY = 2048
-# Full captures (a diagnose on the failing inputs) per kind: runs of skipped steps, and persistent failures.
-DEFAULT_MAX_CAPTURES = 8
-# The gradient of the loss w.r.t. the root outputs is kept per step (to replay the step's own backward in a
-# capture) while it takes at most this many bytes; beyond, the capture says what was not kept.
-MAX_KEPT_OUTPUT_GRAD_BYTES = 256 * 2**20
 # Hook errors and notes kept for the report (a broken hook fires every step: its first errors say enough).
 ERRORS_KEPT = 5
 NOTES_KEPT = 20
@@ -86,7 +85,9 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 class Watch:
-    """Watches an unchanged AMP training loop; see :func:`watch`. Use as a context manager."""
+    """Watches an unchanged AMP training loop; see :func:`watch` (``watch(...)`` is ``Watch(...).start()``, with
+    the same parameters). Use as a context manager. The keywords become one :class:`WatchOptions`, checked
+    before anything is installed."""
 
     def __init__(
         self,
@@ -100,25 +101,23 @@ class Watch:
         max_captures: int = DEFAULT_MAX_CAPTURES,
         bundle_dir: Optional[PathLike] = None,
         save_bundle: bool = True,
-        max_output_grad_bytes: int = MAX_KEPT_OUTPUT_GRAD_BYTES,
+        max_output_grad_bytes: Union[int, str] = MAX_KEPT_OUTPUT_GRAD_BYTES,
     ) -> None:
-        if dtype not in (None, torch.float16, torch.bfloat16):
-            raise AmpDoctorError(f"dtype must be torch.float16, torch.bfloat16 or None, got {dtype}")
-        if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "update")):
-            raise AmpDoctorError(
-                f"scaler must be a GradScaler (with scale() and update()), got {type(scaler).__name__}"
-            )
-        if history < 1:
-            raise AmpDoctorError(f"history must be at least 1, got {history}")
+        options = WatchOptions(
+            loss_fn=loss_fn, dtype=dtype, stats_every=stats_every, history=history, max_captures=max_captures,
+            bundle_dir=bundle_dir, save_bundle=save_bundle, max_output_grad_bytes=max_output_grad_bytes,
+        )
+        check_scaler(scaler)
+        self.options = options
         self.model = model
         self.root, wrappers = unwrap_model(model)
         self.scaler = scaler
-        self.loss_fn = loss_fn
-        self.stats_every = max(0, int(stats_every))
-        self.max_captures = max(0, int(max_captures))
-        self.max_output_grad_bytes = max(0, int(max_output_grad_bytes))
+        self.loss_fn = options.loss_fn
+        self.stats_every = options.stats_every
+        self.max_captures = options.max_captures
+        self.max_output_grad_bytes = options.output_grad_bytes
         self.sharding = sharded.describe(self.root)
-        self.low: Optional[torch.dtype] = dtype
+        self.low: Optional[torch.dtype] = options.dtype
         notes = [
             f"{type(model).__name__} wrapper peeled: module names are those of the wrapped model; a capture re-runs "
             "it on its own rank, outside the wrapper"
@@ -134,7 +133,7 @@ class Watch:
             self.low = param.dtype  # a model cast to float16/bfloat16 runs low precision without autocast
         self.rank, self.world_size = _rank_and_world()
         self.names = {id(m): name for name, m in self.root.named_modules()}
-        self._steps: deque[StepRecord] = deque(maxlen=history)
+        self._steps: deque[StepRecord] = deque(maxlen=options.history)
         self._step = 0
         self._dense_until = -1
         self._errors: list[str] = []
@@ -146,7 +145,7 @@ class Watch:
         self._taps: list[Tap] = []
         self._owned: Optional[list[tuple[str, torch.Tensor]]] = None  # each parameter with its module's name
         self._failures = FailureTracker(
-            self.root, max_captures=self.max_captures, save_bundle=save_bundle, bundle_dir=bundle_dir,
+            self.root, max_captures=self.max_captures, save_bundle=options.save_bundle, bundle_dir=options.bundle_dir,
             rank=self.rank, world_size=self.world_size, scaler=scaler, note=self._note,
         )
 
@@ -436,19 +435,8 @@ class Watch:
             self._errors.append(f"{type(exc).__name__}: {exc}")
 
 
-def watch(
-    model: nn.Module,
-    scaler: Any = None,
-    *,
-    loss_fn: Optional[LossFn] = None,
-    dtype: Optional[torch.dtype] = None,
-    stats_every: int = DEFAULT_STATS_EVERY,
-    history: int = DEFAULT_HISTORY,
-    max_captures: int = DEFAULT_MAX_CAPTURES,
-    bundle_dir: Optional[PathLike] = None,
-    save_bundle: bool = True,
-    max_output_grad_bytes: int = MAX_KEPT_OUTPUT_GRAD_BYTES,
-) -> Watch:
+@parameters_of(Watch)
+def watch(*args: Any, **kwargs: Any) -> Watch:
     """Watch an unchanged autocast + GradScaler training loop; returns a started :class:`Watch`.
 
     >>> with ampdoctor.watch(model, scaler) as doctor:
@@ -476,16 +464,15 @@ def watch(
             ``ampdoctor-bundle-step<N>.pt`` (``-rank<R>`` added in a distributed run; ``-1``, ``-2`` ... rather
             than write over a file).
         save_bundle: write a failure bundle on the first persistent failure.
-        max_output_grad_bytes: the output gradients kept per step for a capture (default 256 MiB); a larger
-            one is not kept, and a capture says so.
+        max_output_grad_bytes: the output gradients kept per step for a capture (default 256 MiB), in bytes or
+            as text with a unit (``"64MiB"``, ``"1GB"``, as ``diagnose``'s ``memory_limit``); a larger one is not
+            kept, and a capture says so.
 
     Each step reads its statistics back from the device once, in ``scaler.update``. A persistent failure, a
     divergence and a written bundle each log one WARNING line on the ``ampdoctor`` logger. Use it as a context
     manager (or call ``close()``): the hooks and the scaler's taps go away on exit, also after an exception.
-    ``report()`` works inside and after the block.
+    ``report()`` works inside and after the block. A keyword of the wrong type or range (``stats_every=-1``,
+    ``history=0``, ``dtype=torch.float32``) raises :class:`ampdoctor.InvalidInput` naming it, before anything is
+    installed.
     """
-    return Watch(
-        model, scaler, loss_fn=loss_fn, dtype=dtype, stats_every=stats_every, history=history,
-        max_captures=max_captures, bundle_dir=bundle_dir, save_bundle=save_bundle,
-        max_output_grad_bytes=max_output_grad_bytes,
-    ).start()
+    return Watch(*args, **kwargs).start()
