@@ -29,9 +29,6 @@ import types
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
-from torch import nn
-
-from .walk import RecursionRoom
 
 F = TypeVar("F", bound=Callable[..., Any])
 Undo = Callable[[], None]
@@ -154,24 +151,9 @@ def unshield_sigint() -> bool:
         return pending
 
 
-class HeldWhileOn:
-    """What a long-lived instrument (``watch``) holds from start to close: the SIGINT shield (a Ctrl-C that
-    arrives while it installs or removes something waits until that is done), and room on the Python stack for
-    the frame its hooks cost per nesting level (a model that trains plain trains watched)."""
-
-    def __init__(self, root: nn.Module) -> None:
-        self._shielded = shield_sigint()
-        self._room: Optional[RecursionRoom] = RecursionRoom(root).__enter__()
-
-    def release(self) -> None:
-        """Idempotent; a Ctrl-C held meanwhile is raised at the end (unless one is already on its way)."""
-        room, self._room = self._room, None
-        if room is not None:
-            room.__exit__(None, None, None)
-        if self._shielded:
-            self._shielded = False
-            if unshield_sigint() and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
-                _previous(signal.SIGINT, sys._getframe(1))
+def raise_held_interrupt() -> None:
+    """The user's Ctrl-C, held while ampdoctor put things back: raised now, through their own handler."""
+    _previous(signal.SIGINT, sys._getframe(1))
 
 
 # -- the thread's global torch state ---------------------------------------------------------------------------

@@ -25,9 +25,10 @@ from .emulate import cuda_autocast, installed_cuda_policy
 from .hooks import Recorder
 from .options import PLAIN_PASS, LossFn, PassOptions
 from .reference import FloatReference
+from .room import RecursionRoom
 from .state import StateGuard
 from .stats import StatsCollector
-from .walk import RecursionRoom, call_model, iter_tensors
+from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
 
 # A survey keeps its graph for the probes when the parameters' gradients are at least this many times the largest
@@ -260,8 +261,6 @@ class _Step:
         # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
         # time (nothing here forms cycles that need it before the pass ends).
         gc.disable()
-        # Hooks cost torch one frame per nesting level: room for them, so a model that runs plain runs here.
-        self.contexts.enter_context(RecursionRoom(spec.root))
         self.recorder.install(spec.params)
         self.contexts.enter_context(torch.enable_grad())
         self.contexts.enter_context(_anomaly(self.backward_zoom))
@@ -272,6 +271,9 @@ class _Step:
     @uninterrupted
     def _enter_region(self) -> None:
         """The forward and loss's autocast region and the copy-on-write of parameters (left after the loss)."""
+        # Hooks cost torch one frame per nesting level: room for them, so a model that runs plain runs here
+        # (held while the model's code runs, not while a kept graph waits for its next backward).
+        self.region.enter_context(RecursionRoom(self.spec.root))
         self.region.enter_context(_autocast(self.spec, self.autocast))
         if self.guard is not None:
             self.region.enter_context(self.guard.guard_writes())
@@ -296,7 +298,8 @@ class _Step:
             scaled = loss * torch.tensor(scale, dtype=torch.float32)
             recorder.in_backward = True
             try:
-                with self.back_zoom if self.back_zoom is not None else contextlib.nullcontext():
+                zoom = self.back_zoom if self.back_zoom is not None else contextlib.nullcontext()
+                with RecursionRoom(spec.root), zoom:  # checkpointed regions re-run their forward in here
                     if recorder.ran_without_grad:
                         # A reentrant checkpoint runs its region's backward with .backward() inside, which
                         # refuses autograd.grad: take the gradients with .backward() on set-aside .grads.

@@ -40,9 +40,10 @@ import torch
 from torch import nn
 
 from ..capture import sharded
-from ..capture.cleanup import HeldWhileOn, uninterrupted
+from ..capture.cleanup import uninterrupted
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import eager_calls, unwrap_model
+from ..capture.room import HeldWhileOn
 from ..capture.stats import format_limits
 from ..records import FrozenMap, ModuleInfo, StepRecord
 from ..report import Report
