@@ -227,10 +227,14 @@ def watched_run(seed: int = 2, blocks: int = 4, steps: int = 3) -> tuple[Callabl
     import ampdoctor
 
     model, batch = model_and_batch(seed, blocks)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu")
+    optimizers: list[torch.optim.Optimizer] = []  # kept alive: the scaler's per-optimizer state is keyed by id
 
     def run() -> None:
+        # A fresh optimizer per run: an interrupt between the user's scaler.step() and scaler.update() leaves
+        # their scaler waiting for update() for that optimizer (the user's loop state, not ampdoctor's).
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        optimizers.append(opt)
         with ampdoctor.watch(model, scaler, stats_every=1, save_bundle=False):
             for _ in range(steps):
                 with torch.autocast("cpu", dtype=torch.float16):
