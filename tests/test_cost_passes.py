@@ -189,7 +189,11 @@ def test_a_probe_on_the_shared_graph_equals_a_fresh_pass() -> None:
         shared_hist = dict(share.histograms)
     finally:
         share.release()
-    fresh, _ = run_pass(spec, 2.0**20, histograms, guard, share=SharedForward())
+    fresh_share = SharedForward()
+    try:
+        fresh, _ = run_pass(spec, 2.0**20, histograms, guard, share=fresh_share)
+    finally:
+        fresh_share.release()  # a kept graph holds its pass's hooks and global state until released
     guard.restore()
     assert shared == fresh  # the same dropout masks (rewound RNG), the same gradients
     assert shared_hist and shared_hist.keys() == {name for name, _ in model.named_parameters()}

@@ -32,6 +32,7 @@ from .capture.checks import (
     resolve_scale,
     usable_batch,
 )
+from .capture.cleanup import owns_cleanup
 from .capture.dtypes import autocast_dtype, dtype_name, model_device_type
 from .capture.emulate import should_emulate_cuda
 from .capture.memory import available_bytes, describe, pass_estimate
@@ -49,6 +50,7 @@ from .report import Report
 from .thresholds import UNDERFLOW_VERDICT_SHARE
 
 
+@owns_cleanup
 def diagnose(
     model: nn.Module,
     batch: Any,

@@ -66,6 +66,7 @@ from ..autocast_ops import (
     EMULATION_APPROXIMATIONS,
     POLICY_TORCH_VERSION,
 )
+from .cleanup import cleaned, on_cleanup, uninterrupted
 
 _KEY = "AutocastCPU"
 _EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -364,20 +365,40 @@ def installed_cuda_policy() -> Iterator[CudaPolicyEmulation]:
     removing take a few milliseconds; each autocast-listed op call pays a Python kernel (tens of µs), other ops
     nothing. Yields the installation's handle, whose ``stats`` and ``notes()`` say what the pass ran into.
     """
+    handle, release = _acquire()
+    try:
+        yield handle
+    finally:
+        release()
+
+
+@uninterrupted
+def _acquire() -> tuple[CudaPolicyEmulation, Callable[[], None]]:
+    """One more user of the installation, and its (idempotent) release, owned by the cleanup owner from the
+    moment the kernels are in: a Ctrl-C at any moment never leaves them installed."""
     with _Installation.lock:
         if _Installation.count == 0:
             _Installation.handle = _register()
         _Installation.count += 1
         handle = _Installation.handle
-    assert handle is not None
-    try:
-        yield handle
-    finally:
+    released = False
+
+    @uninterrupted
+    def release() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
         with _Installation.lock:
             _Installation.count -= 1
             if _Installation.count == 0:
                 module, _Installation.module, _Installation.handle = _Installation.module, None, None
                 module.reset()
+        cleaned(release)
+
+    on_cleanup(release)
+    assert handle is not None
+    return handle, release
 
 
 def is_installed() -> bool:

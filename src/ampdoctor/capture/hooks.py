@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..records import GradKind
+from .cleanup import uninterrupted
 from .reference import FloatReference
 from .state import RngState
 from .stats import INTERNAL, StatsCollector
@@ -142,7 +143,8 @@ class Recorder:
         # The hidden-overflow watch's pause (capture.hidden.Paused), set by the pass that installs the watch.
         self.paused: Any = _NOT_PAUSED
 
-    # install / remove
+    # install / remove (a Ctrl-C waits until a handle is recorded, or until every handle is removed)
+    @uninterrupted
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
         for module in self.modules:
             self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -152,13 +154,16 @@ class Recorder:
                 if param.requires_grad:
                     self._handles.append(param.register_hook(functools.partial(self._param_grad, name)))
 
+    @uninterrupted
     def remove(self) -> None:
+        """Idempotent: every hook removed, the zoom closed."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._stash.clear()
         self.close_zoom()
 
+    @uninterrupted
     def close_zoom(self, output: Any = None) -> None:
         if self.zoom is not None and self._zoom_call is not None:
             self._zoom_call = None
@@ -259,11 +264,15 @@ class Recorder:
                 self.reference.pending[index] = (args, kwargs, RngState.capture())
             self.last_module = name
             if self.zoom_target is not None and self.zoom_target == (name, number) and self.zoom is None:
-                self.zoom = OpZoom(name, number)
-                self._zoom_call = index
-                self.zoom.__enter__()
+                self._open_zoom(name, number, index)
         except Exception as exc:  # never raise inside the user's forward
             self.error = self.error or exc
+
+    @uninterrupted
+    def _open_zoom(self, name: str, number: int, index: int) -> None:
+        self.zoom = OpZoom(name, number)
+        self._zoom_call = index
+        self.zoom.__enter__()
 
     def _exit(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.reference is not None and self.reference.busy:
@@ -312,6 +321,7 @@ class Recorder:
             pass
 
     # backward
+    @uninterrupted
     def _grad_hook(self, t: torch.Tensor, kind: GradKind, index: int, path: str) -> None:
         base = t._base
         via_base = base is not None and base.requires_grad
@@ -320,6 +330,7 @@ class Recorder:
 
     def _receive(self, kind: GradKind, index: int, path: str, via_base: bool, grad: torch.Tensor) -> None:
         try:
+            grad = measurable(grad)
             slot = self.collector.add_fresh(grad)
             hist = -1
             if self.histograms > 1 and grad.dtype == self.collector.low_dtype and grad.numel():
@@ -328,17 +339,21 @@ class Recorder:
         except Exception as exc:
             self.error = self.error or exc
 
-    def _param_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+    def _param_grad(self, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """A parameter's gradient: its order now, its statistics from the stash; the backward gets a zero-stride
-        stand-in (nothing reads it), so the real gradient is freed once measured."""
+        stand-in (nothing reads it), so the real gradient is freed once measured. A sparse gradient
+        (``nn.Embedding(sparse=True)``) is measured through its values and handed on unchanged: a hook never
+        changes a gradient's layout or type."""
+        sparse = grad.layout != torch.strided
         try:
-            self._stash.append((next(self._grad_order), name, grad))
-            self._stashed += grad.numel()
-            if self._stashed >= STASH_ELEMENTS or grad.numel() >= STASH_EACH:
+            values = measurable(grad)
+            self._stash.append((next(self._grad_order), name, values))
+            self._stashed += values.numel()
+            if self._stashed >= STASH_ELEMENTS or values.numel() >= STASH_EACH:
                 self.flush_params()
         except Exception as exc:
             self.error = self.error or exc
-        return _zeros_like(grad)
+        return None if sparse else _zeros_like(grad)
 
     def flush_params(self) -> None:
         """Measure the stashed parameter gradients (after a backward, or when the stash is full)."""
@@ -352,6 +367,18 @@ class Recorder:
 
 
 _NOT_PAUSED = contextlib.nullcontext()
+
+
+def measurable(grad: torch.Tensor) -> torch.Tensor:
+    """What the statistics of a gradient are taken on: the tensor itself, or a sparse gradient's values (its
+    stored elements, duplicates summed); the gradient itself is never changed."""
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce()._values()
+    if grad.layout != torch.strided:  # CSR and friends: their stored values
+        return grad.values()
+    return grad
+
+
 _ZEROS: dict[tuple[torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
 
 

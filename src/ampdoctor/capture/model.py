@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import difflib
 from collections.abc import Iterable, Iterator
+from typing import Callable
 
 from torch import nn
 
 from ..errors import InvalidInput
+from .cleanup import cleaned, on_cleanup, uninterrupted
 
 # Prefixes wrappers add to parameter and module names: DDP / DataParallel, torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -60,11 +62,24 @@ def find_module(root: nn.Module, name: str) -> nn.Module:
 def eager_calls(root: nn.Module) -> Iterator[None]:
     """Every module of ``root`` runs eagerly inside (a capture's hooks must see every call): the compiled calls
     of ``model.compile()`` are set aside and put back."""
-    saved = [(m, m.__dict__["_compiled_call_impl"]) for m in root.modules() if "_compiled_call_impl" in m.__dict__]
-    for m, _ in saved:
-        del m.__dict__["_compiled_call_impl"]
+    put_back = _set_compiled_calls_aside(root)
     try:
         yield
     finally:
+        put_back()
+
+
+@uninterrupted
+def _set_compiled_calls_aside(root: nn.Module) -> Callable[[], None]:
+    saved = [(m, m.__dict__["_compiled_call_impl"]) for m in root.modules() if "_compiled_call_impl" in m.__dict__]
+
+    @uninterrupted
+    def put_back() -> None:  # idempotent, owned by the cleanup owner before anything is set aside
         for m, call in saved:
             m.__dict__["_compiled_call_impl"] = call
+        cleaned(put_back)
+
+    on_cleanup(put_back)
+    for m, _ in saved:
+        del m.__dict__["_compiled_call_impl"]
+    return put_back

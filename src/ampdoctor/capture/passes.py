@@ -11,7 +11,7 @@ import gc
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -19,24 +19,23 @@ from torch import nn
 from ..errors import AmpDoctorError, InternalError, InvalidInput, ModelRaised
 from ..records import (
     LOSS,
-    GradEvent,
-    ModuleCall,
     ModuleInfo,
     OpOverflow,
     ParamRecord,
     PassTrace,
-    TensorRecord,
-    TensorStats,
 )
 from ..thresholds import GRADIENT_KEY
+from .cleanup import cleaned, on_cleanup, uninterrupted
 from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hidden import HiddenWatch, watching
 from .hooks import Recorder
 from .options import PLAIN_PASS, LossFn, PassOptions
 from .reference import FloatReference
+from .room import RecursionRoom
 from .state import StateGuard
 from .stats import INTERNAL, StatsCollector
+from .trace_build import build_trace, grad_events
 from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
 
@@ -191,7 +190,9 @@ class _Step:
         if self.hidden is not None:
             self.recorder.paused = self.hidden.paused
         self.back_zoom = BackwardZoom() if options.backward_zoom else None
-        self.contexts = contextlib.ExitStack()
+        self.contexts = contextlib.ExitStack()  # installed for the whole pass (closed by close())
+        self.region = contextlib.ExitStack()  # the forward's autocast and copy-on-write region
+        self._undo: Optional[Callable[[], None]] = None
         self.output: Any = None
         self.loss: Optional[torch.Tensor] = None
         self.loss_source = ""
@@ -232,17 +233,9 @@ class _Step:
         # is cleared only when the outermost region exits): a pass would reuse another dtype's or pass's casts.
         torch.clear_autocast_cache()
         batch_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(spec.batch, "batch")]
-        # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
-        # time (nothing here forms cycles that need it before the pass ends).
-        gc.disable()
-        writes = self.guard.guard_writes() if self.guard is not None else contextlib.nullcontext()
-        # The emulated CUDA policy stays installed for the backward too (checkpoint recomputes run under it).
-        emulation = installed_cuda_policy() if spec.policy == "cuda_emulated" else contextlib.nullcontext()
-        recorder.install(spec.params)
-        self.contexts.enter_context(torch.enable_grad())
-        self.contexts.enter_context(_anomaly(self.backward_zoom))
-        self.emulated = self.contexts.enter_context(emulation)
-        with _autocast(spec, self.autocast), writes, watching(self.hidden):
+        self._install()
+        self._enter_region()
+        try:
             self.autocast_on = autocast_enabled("cpu" if spec.policy == "cuda_emulated" else spec.device_type)
             try:
                 output = call_model(spec.root, spec.batch)
@@ -268,11 +261,44 @@ class _Step:
                 raise
             except Exception as exc:
                 raise ModelRaised(f"the loss raised {type(exc).__name__}: {exc}", "loss") from exc
+        finally:
+            self._leave_region()
         output_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(output, "out")]
         if self.hidden is not None:
             self.hidden.queue(collector)
         self.slots = (batch_slots, output_slots, collector.add(loss))
         self.output, self.loss = output, loss
+
+    @uninterrupted
+    def _install(self) -> None:
+        """Everything the pass keeps installed until :meth:`close`, installed at once (a Ctrl-C waits) and owned
+        by the diagnosis's cleanup owner before it takes effect."""
+        spec = self.spec
+        self._undo = on_cleanup(self.close)
+        # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
+        # time (nothing here forms cycles that need it before the pass ends).
+        gc.disable()
+        self.recorder.install(spec.params)
+        self.contexts.enter_context(torch.enable_grad())
+        self.contexts.enter_context(_anomaly(self.backward_zoom))
+        # The emulated CUDA policy stays installed for the backward too (checkpoint recomputes run under it).
+        emulation = installed_cuda_policy() if spec.policy == "cuda_emulated" else contextlib.nullcontext()
+        self.emulated = self.contexts.enter_context(emulation)
+
+    @uninterrupted
+    def _enter_region(self) -> None:
+        """The forward and loss's autocast region and the copy-on-write of parameters (left after the loss)."""
+        # Hooks cost torch one frame per nesting level: room for them, so a model that runs plain runs here
+        # (held while the model's code runs, not while a kept graph waits for its next backward).
+        self.region.enter_context(RecursionRoom(self.spec.root))
+        self.region.enter_context(_autocast(self.spec, self.autocast))
+        if self.guard is not None:
+            self.region.enter_context(self.guard.guard_writes())
+        self.region.enter_context(watching(self.hidden))
+
+    @uninterrupted
+    def _leave_region(self) -> None:
+        self.region.close()
 
     def backward(self, scale: float, keep: bool, histograms: int = 0) -> PassTrace:
         """The scaled backward on this forward's graph, and the pass's records (one readback)."""
@@ -290,7 +316,8 @@ class _Step:
             scaled = loss * torch.tensor(scale, dtype=torch.float32)
             recorder.in_backward = True
             try:
-                with self.back_zoom if self.back_zoom is not None else contextlib.nullcontext():
+                zoom = self.back_zoom if self.back_zoom is not None else contextlib.nullcontext()
+                with RecursionRoom(spec.root), zoom:  # checkpointed regions re-run their forward in here
                     if recorder.ran_without_grad:
                         # A reentrant checkpoint runs its region's backward with .backward() inside, which
                         # refuses autograd.grad: take the gradients with .backward() on set-aside .grads.
@@ -316,12 +343,12 @@ class _Step:
         }
         self.backwards += 1
         if self.first is not None:
-            events = _grad_events(recorder, stats, scale)
+            events = grad_events(recorder, stats, scale)
             return dataclasses.replace(
                 self.first, scale=scale, grad_events=events, backward_ran=backward_ran, backward_op_finding=None
             )
         batch_slots, output_slots, loss_slot = self.slots
-        trace = _build_trace(recorder, stats, scale, self.detailed, batch_slots, output_slots, loss_slot, backward_ran)
+        trace = build_trace(recorder, stats, scale, self.detailed, batch_slots, output_slots, loss_slot, backward_ran)
         loss_zoom = self.loss_zoom
         finding = loss_zoom.finding if loss_zoom is not None else (recorder.zoom.finding if recorder.zoom else None)
         backward_finding = self.back_zoom.finding if self.back_zoom is not None else None
@@ -344,15 +371,21 @@ class _Step:
         )
         return self.first
 
+    @uninterrupted
     def close(self) -> None:
-        """Drop the graph and every hook; put the global state (grad mode, anomaly, emulation) back."""
+        """Drop the graph and every hook; put the global state (grad mode, anomaly, emulation) back. Idempotent,
+        and run to its end even when Ctrl-C arrives meanwhile."""
         self.output = self.loss = None
         try:
             self.recorder.remove()
+            self.region.close()
             self.contexts.close()
         finally:
             if self.gc_was_enabled:
                 gc.enable()
+            if self._undo is not None:
+                cleaned(self._undo)
+                self._undo = None
 
 
 def _leaves(root: torch.Tensor) -> list[torch.Tensor]:
@@ -373,14 +406,28 @@ def _leaves(root: torch.Tensor) -> list[torch.Tensor]:
 def _backward_keeping_grads(scaled: torch.Tensor, params: list[nn.Parameter]) -> None:
     """``scaled.backward()`` with every ``.grad`` it could write (the graph's leaves, and the parameters, which
     a checkpointed region reaches only when it re-runs) set aside first and put back by assignment after."""
-    saved = [(t, t.grad) for t in {id(t): t for t in [*_leaves(scaled), *params]}.values()]
-    for t, _ in saved:
-        t.grad = None
+    put_back = _set_grads_aside([*_leaves(scaled), *params])
     try:
         scaled.backward()
     finally:
+        put_back()
+
+
+@uninterrupted
+def _set_grads_aside(tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """Set every ``.grad`` of ``tensors`` to None; returns the (idempotent, owned) undo that puts them back."""
+    saved = [(t, t.grad) for t in {id(t): t for t in tensors}.values()]
+
+    @uninterrupted
+    def put_back() -> None:
         for t, grad in saved:
             t.grad = grad
+        cleaned(put_back)
+
+    on_cleanup(put_back)
+    for t, _ in saved:
+        t.grad = None
+    return put_back
 
 
 @contextlib.contextmanager
@@ -392,62 +439,6 @@ def _anomaly(enabled: bool) -> Iterator[None]:
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
         with torch.autograd.set_detect_anomaly(enabled, check_nan=False):
             yield
-
-
-def _build_trace(
-    recorder: Recorder,
-    stats: list[TensorStats],
-    scale: float,
-    detailed: bool,
-    batch_slots: list[tuple[str, int, bool]],
-    output_slots: list[tuple[str, int, bool]],
-    loss_slot: int,
-    backward_ran: bool,
-) -> PassTrace:
-    calls = [
-        ModuleCall(
-            index=c.index,
-            module=c.module,
-            call=c.call,
-            class_name=c.class_name,
-            parent=c.parent,
-            end_order=c.end_order,
-            grad_enabled=c.grad_enabled,
-            inputs=tuple(TensorRecord(p, stats[s], rg, prod, s, prod_path) for p, s, rg, prod, prod_path in c.inputs),
-            outputs=tuple(TensorRecord(p, stats[s], rg, None, s) for p, s, rg in c.outputs),
-        )
-        for c in recorder.calls
-    ]
-    return PassTrace(
-        scale=scale,
-        detailed=detailed,
-        calls=tuple(calls),
-        grad_events=_grad_events(recorder, stats, scale),
-        batch=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in batch_slots),
-        output=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in output_slots),
-        loss=stats[loss_slot],
-        backward_ran=backward_ran,
-        uncaptured=tuple(dict.fromkeys(recorder.uncaptured)),
-    )
-
-
-def _grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> tuple[GradEvent, ...]:
-    """The gradients of one backward, in execution order, unscaled (the same gradient seen twice divided once)."""
-    unscaled: dict[int, TensorStats] = {}
-    events = []
-    for g in sorted(recorder.grads):
-        found = unscaled.get(g.slot)
-        if found is None:
-            found = unscaled[g.slot] = _unscaled(stats[g.slot], scale)
-        events.append(GradEvent(g.order, g.kind, found, g.call, g.path, g.param, g.via_base))
-    return tuple(events)
-
-
-def _unscaled(stats: TensorStats, scale: float) -> TensorStats:
-    """``stats.scaled_down(scale)``, built directly for survey-level statistics (a few per module call)."""
-    if stats.detailed or stats.min is None or stats.max is None or scale == 1.0:
-        return stats.scaled_down(scale)
-    return TensorStats(stats.dtype, stats.shape, stats.min / scale, stats.max / scale, stats.zero_count)
 
 
 def capture_params(spec: PassSpec, modules: list[tuple[str, nn.Module]], detailed: bool = True) -> list[ModuleInfo]:

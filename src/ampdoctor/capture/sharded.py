@@ -157,14 +157,13 @@ def _policy_dtypes(root: nn.Module) -> dict[int, Optional[torch.dtype]]:
     fsdp2 = _fsdp_module_type()
     dtypes: dict[int, Optional[torch.dtype]] = {}
 
-    def walk(m: nn.Module, current: Optional[torch.dtype]) -> None:
+    todo: list[tuple[nn.Module, Optional[torch.dtype]]] = [(root, None)]
+    while todo:  # iterative: a deeply nested model must not cost ampdoctor recursion depth
+        m, current = todo.pop()
         if fsdp2 is not None and isinstance(m, fsdp2):
             current = _param_dtype(m)
         dtypes[id(m)] = current
-        for child in m.children():
-            walk(child, current)
-
-    walk(root, None)
+        todo.extend((child, current) for child in m.children())
     return dtypes
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .cleanup import cleaned, on_cleanup, uninterrupted
+from .exclusive import claim_modules
 from .stats import chunks
 
 
@@ -41,6 +43,7 @@ class RngState:
             numpy=np.random.get_state(),
         )
 
+    @uninterrupted
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None and _cuda_ready():
@@ -200,8 +203,10 @@ class StateGuard:
     def __init__(
         self, model: nn.Module, params: list[tuple[str, nn.Parameter]], rng: Optional[RngState] = None
     ) -> None:
-        self.rng = rng or RngState.capture()
         self.modules = list(model.modules())
+        # One diagnosis per model at a time (another thread's waits here); released by restore().
+        self._release = claim_modules(self.modules, f"this {type(model).__name__}")
+        self.rng = rng or RngState.capture()
         # Which buffers each module had (None entries included), by object: a forward that fills a lazy cache
         # (register_buffer("cache", None), then set in forward) or adds a buffer is undone too.
         self.buffer_names = [(m, dict(m._buffers)) for m in self.modules]
@@ -220,11 +225,14 @@ class StateGuard:
         self.saved: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self.notes: list[str] = []
         self._fingerprints = fingerprints(self._watched())
+        # The diagnosis's cleanup owner puts everything back even when Ctrl-C cuts the diagnosis short.
+        self._undo: Optional[Callable[[], None]] = on_cleanup(self.restore)
 
     def _watched(self) -> list[torch.Tensor]:
         return [p for _, p in self.params] + list(self.originals.values())
 
     # -- parameters -----------------------------------------------------------------------------------------
+    @uninterrupted
     def before_write(self, target: torch.Tensor) -> None:
         key = _storage_key(target)
         param = self.storages.get(key) if key is not None else None
@@ -258,6 +266,7 @@ class StateGuard:
             self.notes.append(note)
 
     # -- passes ---------------------------------------------------------------------------------------------
+    @uninterrupted
     def rewind(self) -> None:
         """Before each pass: the same RNG draws, the original parameters, fresh copies of the buffers."""
         self.rng.restore()
@@ -268,8 +277,10 @@ class StateGuard:
         for module, flag in self.training:
             module.training = flag
 
+    @uninterrupted
     def restore(self) -> None:
-        """At the end: the user's own buffer tensors, parameters, flags and RNG, exactly as they were."""
+        """At the end: the user's own buffer tensors, parameters, flags and RNG, exactly as they were. Idempotent;
+        runs to its end even when Ctrl-C arrives meanwhile."""
         self.rng.restore()
         self._put_parameters()
         self._restore_params()
@@ -286,6 +297,10 @@ class StateGuard:
                 f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} changed during the diagnosis by "
                 "code ampdoctor could not intercept (no Python-level op wrote it): NOT restored"
             )
+        if self._undo is not None:
+            cleaned(self._undo)
+            self._undo = None
+        self._release()
 
     def _put_parameters(self) -> None:
         for module, before in self.param_slots:

@@ -121,7 +121,10 @@ class StatsCollector:
         # Per slot: (dtype name, shape, device or None when not measured, index in its lists, level, zero index);
         # level 0: min/max, 1: min/max and zeros, 2: detailed.
         self._slots: list[tuple[str, tuple[int, ...], Optional[torch.device], int, int, int]] = []
-        self._survey: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+        # Per device: min, max, nonzero counts, and NaN-ignoring sums (which tell an inf behind a NaN min/max).
+        self._survey: dict[
+            torch.device, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+        ] = {}
         self._details: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._hists: list[tuple[torch.device, int]] = []
         self._hist_values: dict[torch.device, list[torch.Tensor]] = {}
@@ -184,9 +187,12 @@ class StatsCollector:
             low, high = torch.aminmax(w)  # one pass; NaN and inf show up in the result
             survey = self._survey.get(device)
             if survey is None:
-                survey = self._survey[device] = ([], [], [])
+                survey = self._survey[device] = ([], [], [], [])
             survey[0].append(low)
             survey[1].append(high)
+            # A NaN hides any inf from aminmax: the NaN-ignoring sum is infinite (or NaN, for +inf and -inf)
+            # exactly when an inf is there, so the pass that saw an overflow can say so without a detailed re-run.
+            survey[3].append(torch.nansum(w, dtype=torch.float32))
             index = len(survey[0]) - 1
             if level == 1:  # stored as a nonzero count, turned into a zero count in read()
                 survey[2].append(torch.count_nonzero(w) if nonzero is None else nonzero)
@@ -273,11 +279,12 @@ class StatsCollector:
             if found is None:
                 out.append((self._measure(t.detach(), 1), self.add_histogram(t) if _histogrammable(t) else -1))
                 continue
-            low, high, nonzero, hist = found
-            survey = self._survey.setdefault(t.device, ([], [], []))
+            low, high, nonzero, hist, nansum = found
+            survey = self._survey.setdefault(t.device, ([], [], [], []))
             survey[0].append(low)
             survey[1].append(high)
             survey[2].append(nonzero)
+            survey[3].append(nansum)
             index, zindex = len(survey[0]) - 1, len(survey[2]) - 1
             self._slots.append((dtype_name(t.dtype), tuple(t.shape), t.device, index, 1, zindex))
             values.append(hist)
@@ -305,12 +312,14 @@ class StatsCollector:
             mins: list[torch.Tensor] = []
             maxs: list[torch.Tensor] = []
             nonzero: list[torch.Tensor] = []
+            sums: list[torch.Tensor] = []
             start = 0
             for size, run in itertools.groupby(lengths):
                 count = len(list(run))
                 block = flat[start : start + size * count].view(count, size)
                 mins += block.amin(dim=1).unbind(0)  # (aminmax along a dimension is far slower here)
                 maxs += block.amax(dim=1).unbind(0)
+                sums += block.nansum(dim=1).unbind(0)
                 nonzero.append(torch.count_nonzero(block, dim=1))
                 start += size * count
             counts = torch.cat(nonzero)
@@ -318,7 +327,7 @@ class StatsCollector:
             hists[:, 0] += total[:, 0] - (sizes - counts)
             rows = hists.unbind(0)
             nonzero_each = counts.unbind(0)
-            return {id(t): (mins[i], maxs[i], nonzero_each[i], rows[i]) for i, t in enumerate(tensors)}
+            return {id(t): (mins[i], maxs[i], nonzero_each[i], rows[i], sums[i]) for i, t in enumerate(tensors)}
 
     def add_values(self, values: list[torch.Tensor]) -> int:
         """Queue a group of 0-d tensors (same device) for the same single readback; see ``values``."""
@@ -352,7 +361,11 @@ class StatsCollector:
             parts: list[tuple[str, torch.Tensor, int]] = []
             survey = self._survey.get(device)
             if survey:
-                parts += [(n, torch.stack(values).to(wide), 1) for n, values in zip(SURVEY_FIELDS, survey) if values]
+                parts += [
+                    (n, torch.stack(values).to(wide), 1)
+                    for n, values in zip((*SURVEY_FIELDS, "nansum"), survey)
+                    if values
+                ]
             detail = self._details.get(device)
             if detail and detail[0]:
                 parts.append(("counts", torch.stack(detail[0]).to(wide).reshape(-1), len(_COUNTS)))
@@ -385,12 +398,15 @@ class StatsCollector:
             data = host[where]
             if level == 2:
                 append(_detailed_record(name, shape, data["counts"][index], data["extremes"][index]))
-            elif level == 1:
-                nonzero = data["zero_count"][zindex]
-                append(TensorStats(name, shape, data["min"][index], data["max"][index],
-                                   math.prod(shape) - int(nonzero)))
-            else:  # the common case, kept lean: a record per tensor of every pass
-                append(TensorStats(name, shape, data["min"][index], data["max"][index]))
+            else:
+                low, high = data["min"][index], data["max"][index]
+                if high != high or low != low:  # NaN: an inf behind it shows in the NaN-ignoring sum
+                    low, high = _behind_nan(low, high, data["nansum"][index])
+                if level == 1:
+                    nonzero = data["zero_count"][zindex]
+                    append(TensorStats(name, shape, low, high, math.prod(shape) - int(nonzero)))
+                else:  # the common case, kept lean: a record per tensor of every pass
+                    append(TensorStats(name, shape, low, high))
         self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]
         self.vectors = [host[device]["vectors"][start : start + n] for device, start, n in self._vector_slots]
         self.histograms = [host[device]["hists"][index] for device, index in self._hists]
@@ -408,6 +424,18 @@ class StatsCollector:
 _BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _OFFSETS: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _behind_nan(low: float, high: float, nansum: float) -> tuple[float, float]:
+    """Survey-level min and max of a tensor holding NaN: NaN stays in one of them (the tensor is not finite), and
+    the other says which inf the tensor also holds, if any: a NaN-ignoring sum of +inf (or NaN: +inf and -inf
+    together) means +inf is there, -inf means -inf. (A float32 sum of finite values could overflow only for
+    values within a factor ``numel`` of float32's maximum: itself an overflow.)"""
+    if nansum == math.inf or nansum != nansum:
+        return math.nan, math.inf
+    if nansum == -math.inf:
+        return -math.inf, math.nan
+    return math.nan, math.nan
 
 
 def _histogrammable(t: torch.Tensor) -> bool:

@@ -44,3 +44,4 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+

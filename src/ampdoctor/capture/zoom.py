@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..records import Direction, OpFinding, SourceLocation
+from .cleanup import uninterrupted
 from .dtypes import dtype_name
 from .stats import measuring
 from .walk import iter_tensors
@@ -113,6 +114,7 @@ class _Zoom(TorchDispatchMode):
         self.error: Optional[str] = None  # why inspecting an op failed (reported in the pass's notes)
         self._flow = DataFlow()
         self._done = False  # resolved: later ops (and the zoom's own reads) pass through
+        self._entered = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -185,7 +187,19 @@ class _Zoom(TorchDispatchMode):
         except Exception as exc:
             self.error = self.error or f"the call's output: {type(exc).__name__}: {exc}"
 
+    @uninterrupted
+    def __enter__(self) -> _Zoom:
+        if not self._entered:
+            super().__enter__()
+            self._entered = True
+        return self
+
+    @uninterrupted
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        """Idempotent: the mode leaves the stack once (a Ctrl-C waits until it has)."""
+        if not self._entered:
+            return
+        self._entered = False
         super().__exit__(exc_type, exc_val, exc_tb)
         if self._done:
             return

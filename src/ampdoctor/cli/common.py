@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..capture.progress import Progress, progress_on_stderr
@@ -195,9 +195,11 @@ def interrupt_tracking() -> Iterator[None]:
 @contextmanager
 def user_code(what: str, stage: Optional[Stage] = None) -> Iterator[None]:
     """Around the user's code (``what``: "the factory mypkg:build", "importing mypkg"): ``sys.exit`` and a
-    KeyboardInterrupt that no Ctrl-C caused become one-line errors, never exit 0 ("healthy") or 130."""
+    KeyboardInterrupt that no Ctrl-C caused become one-line errors, never exit 0 ("healthy") or 130. What the
+    user's code prints goes to stderr: stdout carries only the report (``--format json`` stays JSON)."""
     try:
-        yield
+        with redirect_stdout(sys.stderr):
+            yield
     except SystemExit as exc:
         message = f"{what} called sys.exit({exc.code!r}); ampdoctor needs it to return"
         raise (ModelRaised(message, stage) if stage else InvalidInput(message)) from exc

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..capture.cleanup import cleaned, on_cleanup, uninterrupted
 from ..capture.dtypes import LOW_DTYPES, model_device_type, upcast
 from ..capture.model import find_module, unwrap_model
 
@@ -32,7 +33,13 @@ class Fp32Fallback:
         targets = [(name, find_module(root, name)) for name in names]
         self._saved: list[tuple[nn.Module, bool, Any]] = []
         self.modules = names
-        for _, module in targets:
+        self._apply([module for _, module in targets])
+
+    @uninterrupted
+    def _apply(self, targets: list[nn.Module]) -> None:
+        """Patch every target at once (a Ctrl-C waits), owned by a diagnosis's cleanup owner from the start."""
+        self._undo: Optional[Callable[[], None]] = on_cleanup(self.remove)
+        for module in targets:
             if any(module is m for m, _, _ in self._saved):
                 continue
             had_own = "forward" in module.__dict__
@@ -48,13 +55,18 @@ class Fp32Fallback:
         fp32_forward.__wrapped__ = forward  # type: ignore[attr-defined]
         return fp32_forward
 
+    @uninterrupted
     def remove(self) -> None:
+        """Idempotent; runs to its end even when Ctrl-C arrives meanwhile."""
         for module, had_own, original in reversed(self._saved):
             if had_own:
                 module.forward = original  # type: ignore[method-assign]
             else:
                 module.__dict__.pop("forward", None)
         self._saved.clear()
+        if self._undo is not None:
+            cleaned(self._undo)
+            self._undo = None
 
     def __enter__(self) -> Fp32Fallback:
         return self

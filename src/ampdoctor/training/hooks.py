@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from ..capture.cleanup import uninterrupted
 from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
 from ..capture.walk import iter_tensors
@@ -53,12 +54,14 @@ class WatchHooks:
         self.count_underflow = False  # sampled steps: count small gradient values too (a sink wants the share)
 
     # -- installing -----------------------------------------------------------------------------------------
+    @uninterrupted
     def install(self) -> None:
         w = self.w
         self.root_tap = RootTap(w.model, w.root, self.root_pre, self.root_post)
         if is_compiled(w.model, w.root):
             self.compiled = CompiledStats(w.root, w.names)
 
+    @uninterrupted
     def sample(self, on: bool, outputs: bool = False) -> None:
         """Module statistics for the next step: eager hooks installed only for it (an unsampled step runs the
         model's fast path); a compiled model's hooks stay, switched by their flag at each root forward.
@@ -95,16 +98,19 @@ class WatchHooks:
             handle.remove()
         self.tracked_handles.clear()
 
+    @uninterrupted
     def remove_modules(self) -> None:
         for handle in self.module_handles:
             handle.remove()
         self.module_handles.clear()
 
+    @uninterrupted
     def remove_probes(self) -> None:
         for handle in self.probes:
             handle.remove()
         self.probes.clear()
 
+    @uninterrupted
     def remove(self) -> None:
         self.remove_modules()
         self.remove_tracked()
@@ -169,6 +175,7 @@ class WatchHooks:
         except Exception as exc:
             w.fail(exc)
 
+    @uninterrupted
     def _probe_autocast(self) -> None:
         """Autocast switched on inside the model's own forward (accelerate wraps ``forward`` in it): the root's
         children see it. Pre-hooks on them for the first watched forward only (removed in :meth:`root_post`)."""
@@ -181,6 +188,7 @@ class WatchHooks:
         self.probed = True
         self.probes = [child.register_forward_pre_hook(look) for child in w.root.children()]
 
+    @uninterrupted
     def keep_grad(self, micro: MicroBatch, path: str, t: torch.Tensor) -> None:
         """Keep the gradient reaching this output (the real loss's, scaled) until the step ends, within the cap."""
         micro.expected_grads.add(path)
@@ -221,6 +229,7 @@ class WatchHooks:
         except Exception as exc:
             w.fail(exc)
 
+    @uninterrupted
     def grad_hook(self, t: torch.Tensor, name: str) -> None:
         w = self.w
         low = t.dtype == w.low

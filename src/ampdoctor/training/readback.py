@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 
 from ..capture import sharded
+from ..capture.cleanup import uninterrupted
 from ..capture.state import RngState
 from ..capture.walk import iter_tensors
 from ..records import FrozenMap, StepRecord
@@ -155,6 +156,7 @@ class StepState:
     pairs: list[Pair] = field(default_factory=list)  # after the read-back: every measured pair (the forecast's)
     numbers: list[float] = field(default_factory=list)  # after the read-back: every number read
 
+    @uninterrupted
     def remove_hooks(self) -> None:
         for handle in self.tensor_handles:
             handle.remove()

@@ -41,8 +41,10 @@ import torch
 from torch import nn
 
 from ..capture import sharded
+from ..capture.cleanup import uninterrupted
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import eager_calls, unwrap_model
+from ..capture.room import HeldWhileOn
 from ..capture.stats import format_limits
 from ..records import FrozenMap, ModuleInfo, StepRecord
 from ..report import Report
@@ -164,19 +166,23 @@ class Watch:
         return self._failures.bundle_path
 
     # -- lifecycle ------------------------------------------------------------------------------------------
+    @uninterrupted
     def __enter__(self) -> Watch:
         return self.start()
 
+    @uninterrupted
     def __exit__(
         self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
         self.close()
 
+    @uninterrupted
     def start(self) -> Watch:
         """Install the root hooks and tap the scaler (``__enter__`` does this)."""
         if self.active:
             return self
         self.active = True
+        self._held: Optional[HeldWhileOn] = HeldWhileOn(self.root)  # Ctrl-C waits for installs; stack room
         try:
             self.hooks.install()
             if self.scaler is not None:
@@ -187,6 +193,7 @@ class Watch:
             raise
         return self
 
+    @uninterrupted
     def close(self) -> None:
         """Remove every hook and leave the scaler's taps; the records stay (``__exit__`` does this)."""
         self.cur.remove_hooks()
@@ -201,6 +208,9 @@ class Watch:
         self.cur = StepState()  # no reference to the user's inputs (or targets) after the block
         self.targets = None
         self.active = False
+        held, self._held = getattr(self, "_held", None), None
+        if held is not None:
+            held.release()  # last: a Ctrl-C held meanwhile is raised here
 
     # -- public verbs ----------------------------------------------------------------------------------------
     def set_targets(self, targets: Any) -> None:
@@ -300,6 +310,7 @@ class Watch:
     def _sampled(self, step: int) -> bool:
         return self.stats_every > 0 and (step % self.stats_every == 0 or step <= self._dense_until)
 
+    @uninterrupted
     def _drop_step(self) -> None:
         """Forget the current step (its ``update`` raised, or it was read): its hooks go, a new step starts."""
         self.cur.remove_hooks()
