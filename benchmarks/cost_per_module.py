@@ -196,8 +196,9 @@ def measure_watch(layers: int, rounds: int, steps: int) -> dict[str, Any]:
 
 def measure_encoder(repeats: int, batch_div: int) -> dict[str, Any]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import ampdoctor
     from overhead_models import build_case
+
+    import ampdoctor
 
     case = build_case("encoder", torch.device("cpu"), batch_div)
     plain_step(case.model, case.batch, case.loss_fn)
