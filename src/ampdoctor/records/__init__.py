@@ -168,6 +168,12 @@ class TensorStats(NanEq):
 
     @property
     def is_finite(self) -> bool:
+        lo, hi = self.min, self.max
+        if self.nan_count is None and self.posinf_count is None and self.neginf_count is None:
+            # The survey level, inlined (asked for every record of every pass): NaN != NaN.
+            if lo is None:
+                return hi != math.inf
+            return lo == lo and lo != -math.inf and hi != math.inf and (hi is None or hi == hi)
         return not (self.has_nan or self.has_posinf or self.has_neginf)
 
     @property

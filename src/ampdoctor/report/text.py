@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 from .document import Document, Item, Para, Source, Table, build_document, describe_bad, describe_origin, fmt_num
+from .rows import left_out_line
 
 if TYPE_CHECKING:
     from .report import Report
@@ -26,6 +27,8 @@ def text_of(doc: Document, title: str = "ampdoctor") -> str:
                 lines.append("  " * block.indent + f"{block.text}: {block.code}")
             elif isinstance(block, Table):
                 lines.append(tabulate(block.rows, headers=block.headers, tablefmt="simple"))
+                if block.left_out:
+                    lines.append("  " + left_out_line(block.left_out, len(block.rows)))
             elif isinstance(block, Item):
                 lines.append(f"  {block.number}. {block.title}" + (" [verified]" if block.verified else ""))
                 lines += ["       " + d for d in block.details]
