@@ -96,3 +96,20 @@ def test_fingerprints_move_with_any_single_change_and_not_otherwise() -> None:
         after = fingerprints(_fingerprinted(change=i))
         assert after[i] != before[i]
         assert after[:i] + after[i + 1 :] == before[:i] + before[i + 1 :]
+
+
+def test_fingerprints_of_many_small_tensors_together_name_the_one_changed() -> None:
+    # 300 small parameters (the batched path: one concatenation, segmented sums) and one over 64 KiB (alone).
+    torch.manual_seed(3)
+    tensors = [torch.randn(4, 4) for _ in range(150)] + [torch.randn(3).half() for _ in range(150)]
+    tensors.append(torch.randn(20000))
+    before = fingerprints(tensors)
+    assert len(set(before)) == len(tensors)
+    for i in (0, 149, 150, 299, 300):
+        flat = tensors[i].view(-1)
+        old = flat[1].clone()
+        flat[1] += 1
+        after = fingerprints(tensors)
+        assert [j for j in range(len(tensors)) if after[j] != before[j]] == [i]
+        flat[1] = old
+        assert fingerprints(tensors) == before
