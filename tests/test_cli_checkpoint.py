@@ -21,6 +21,7 @@ from torch import nn
 import ampdoctor
 from ampdoctor.cli.main import main
 from ampdoctor.demo import DEMO_ORIGIN, make_demo
+from ampdoctor.records.scan import SCAN_SCHEMA_VERSION
 from ampdoctor.report import Report
 from ampdoctor.report.scan_report import ScanReport
 
@@ -65,7 +66,8 @@ def test_scan_inf_exits_1_with_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     path = save(state, tmp_path / "bad.pt")
     assert main(["scan", str(path), "--format", "json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    assert data["verdict"] == "overflow" and data["exit_code"] == 1 and data["schema_version"] == "1.1"
+    assert data["verdict"] == "overflow" and data["exit_code"] == 1
+    assert data["schema_version"] == SCAN_SCHEMA_VERSION == "1.2"
     report = ScanReport.from_dict(data)
     assert report.tensor("fc.weight").stats.posinf_count == 1
     assert {f.kind for f in report.errors()} == {"nonfinite", "beyond_range"}

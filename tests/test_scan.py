@@ -159,7 +159,7 @@ def test_training_checkpoint_collapsed_scaler_and_nan_optimizer_state(tmp_path: 
     assert finding_title(nonfinite, report) == "Adam's second moment (exp_avg_sq) is non-finite for 1 parameter(s)"
     collapsed = next(f for f in report.errors() if f.kind == "scaler_collapsed")
     assert (collapsed.scale, collapsed.growth_tracker, collapsed.tensors) == (2.0**-14, 0, ("scaler",))
-    assert finding_title(collapsed, report) == "GradScaler scale collapsed to 6.10352e-05 (2**-14): persistent overflow"
+    assert finding_title(collapsed, report) == "GradScaler scale collapsed to 6.104e-05 (2**-14): persistent overflow"
     assert "non-finite even unscaled" in finding_message(collapsed, report)
     # eps 1e-8 is below float16's 2**-25 flush edge, but the state is float32, which autocast never runs in
     # float16: no finding at all (it used to be a note on every healthy Adam checkpoint).
@@ -177,7 +177,7 @@ def test_float16_optimizer_state_with_zero_eps_is_an_error(tmp_path: Path) -> No
     del ckpt["scaler"]
     report = scan(save(ckpt, tmp_path / "half.pt"))
     eps = next(f for f in report.errors() if f.kind == "eps_zero")
-    assert eps.verdict == "nan" and eps.eps == (1e-8,) and "1e-08" in finding_title(eps, report)
+    assert eps.verdict == "nan" and eps.eps == (1e-8,) and "1.000e-08" in finding_title(eps, report)
     assert "optimizer_fp16_state" in kinds(report, "warning")
 
 
@@ -552,7 +552,7 @@ def test_markdown_is_real_markdown(tmp_path: Path) -> None:
     assert lines[header + 1] == "|---|---|---|---|---|---|---|---|---|---|"
     assert lines[header + 2].startswith("| `model.2` | 2 | 18 | 0 | 0 | 0 | 0 | 0 |")  # worst (least headroom) first
     assert "| `optimizer.state.0.exp_avg_sq` | float32 | 8x8 | 1 |" in md
-    assert "1. **GradScaler scale collapsed to 6.10352e-05 (2\\*\\*-14): persistent overflow**  " in lines
+    assert "1. **GradScaler scale collapsed to 6.104e-05 (2\\*\\*-14): persistent overflow**  " in lines
     assert lines[-3:] == [
         "```bash",
         f"ampdoctor diagnose {tmp_path / 'train.pt'} --model MODULE:FACTORY --input-shape SHAPE   # where the first "

@@ -220,7 +220,7 @@ def test_where_discarded_log_is_a_note_and_exp_is_the_op() -> None:
     (log,) = op.discarded
     assert_at(log, "aten::log", "safe_log = torch.where(x > 0, torch.log(x), 0.0)")
     assert log.output_neginf_count == 1 and log.discarded == ()
-    assert ampdoctor.Report.from_json(report.to_json()) == report
+    assert ampdoctor.Report.from_json(report.to_json(absolute_paths=True)) == report
 
 
 class NanToNumThenSquare(nn.Module):

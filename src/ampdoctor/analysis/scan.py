@@ -71,9 +71,15 @@ def _file_findings(files: Sequence[ScannedFile]) -> list[ScanFinding]:
     if unknown:
         needed = dict.fromkeys(g for f in unknown for g in f.refused_unknown)
         out.append(ScanFinding("warning", "refused_unknown", tuple(f.name for f in unknown), globals=tuple(needed)))
-    empty = tuple(f.name for f in files if f.skipped and not f.refused)
+    empty = tuple(f.name for f in files if f.skipped and not f.refused and not f.unread)
     if empty:
         out.append(ScanFinding("note", "no_tensors", empty))
+    missed = tuple(f.name for f in files if f.missed)
+    if missed:  # no verdict of its own: the report's verdict says "incomplete" when nothing else is wrong
+        out.append(ScanFinding("error", "unread", missed))
+    skipped = tuple(f.name for f in files if f.unread and not f.missed)
+    if skipped:
+        out.append(ScanFinding("note", "skipped_unread", skipped))
     return out
 
 

@@ -12,7 +12,9 @@ from ..capture.model import strip_wrapper_prefixes
 from ..capture.progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
 from ..records import FrozenMap
-from .safe_load import SafetensorsMapping, checkpoint_files, is_malicious, load_file, refusal
+from ..report.inert import inert
+from .formats import DcpTree, checkpoint_entries, load_entry
+from .safe_load import SafetensorsMapping, is_malicious, refusal
 from .scan import _MAX_DEPTH, is_optimizer_state, is_scaler_state, join_key, number
 
 if TYPE_CHECKING:
@@ -45,6 +47,10 @@ def _tensor_mappings(obj: Any, depth: int = 0) -> Iterator[Mapping[str, Any]]:
         return
     if isinstance(obj, SafetensorsMapping):
         yield obj
+        return
+    if isinstance(obj, DcpTree):  # its levels holding tensors, known from the metadata: nothing is read here
+        skip = lambda tree: is_optimizer_state(tree) or is_scaler_state(tree)  # noqa: E731
+        yield from (tree.tensors_only() for tree in obj.subtrees(skip) if tree.tensor_keys())
         return
     if isinstance(obj, Mapping):
         if is_optimizer_state(obj) or is_scaler_state(obj):
@@ -97,7 +103,8 @@ def _best_state_dict(obj: Any, wanted: set[str]) -> tuple[dict[str, Any], int]:
 
 
 def _short_list(items: Sequence[str], n: int = 5) -> str:
-    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+    """The first ``n`` names (keys from the file: made inert), then how many there are."""
+    return ", ".join(inert(i) for i in items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
 def load_weights(
@@ -106,6 +113,7 @@ def load_weights(
     *,
     allow_globals: Sequence[str] = (),
     unsafe_load: bool = False,
+    trust: Sequence[str] = (),
     progress: Optional[Progress] = None,
 ) -> LoadedWeights:
     """Load a checkpoint's weights into ``model`` (strictly: every key, every shape).
@@ -114,14 +122,18 @@ def load_weights(
     best); DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.`` prefixes are dropped. A directory of shards
     is loaded one file at a time, twice: the first round only checks keys and shapes, so a checkpoint that does
     not fit leaves the model untouched. Raises :class:`AmpDoctorError` naming missing and unexpected keys and
-    shape mismatches. A file of a directory that names a global able to run code refuses the whole directory;
+    shape mismatches. ``trust``: packages an ``unsafe_load`` admits (see :func:`ampdoctor.scan`). A file of a
+    directory that names a global able to run code refuses the whole directory;
     when weights are missing and other files were refused, the refusal is the error (the weights may be there).
     The checkpoint is only read.
     """
     import torch
 
+    if trust and not unsafe_load:
+        raise InvalidInput("trust= admits globals only when loading with unsafe_load=True (CLI: --unsafe-load)")
     root = Path(path)
-    files = checkpoint_files(root)
+    listing = checkpoint_entries(root)
+    files = listing.files
     own = model.state_dict()
     wanted = set(own)
     seen: set[str] = set()
@@ -134,9 +146,9 @@ def load_weights(
     shown = progress or NO_PROGRESS
     shown.stage("checking the checkpoint", total=len(files))
     for file in files:  # first round: check every file, load nothing
-        shown.detail(file.name)
+        shown.detail(inert(file.name))
         try:
-            loaded = load_file(file, allow_globals, unsafe_load)
+            loaded = load_entry(file, allow_globals, unsafe_load, trust)
         except CheckpointRefused as refused:
             if not root.is_dir() or is_malicious(refused):
                 raise
@@ -164,10 +176,17 @@ def load_weights(
         shown.advance()
     missing = sorted(k for k in wanted - seen - set(mismatched) if not _tied_to(k, own, seen))
     if refusals and (missing or not used):
-        where = f"{root} ({', '.join(Path(r.path).name for r in refusals)})"
+        where = f"{inert(str(root))} ({', '.join(inert(Path(r.path).name) for r in refusals)})"
         raise refusal(where, [n for r in refusals for n in r.blocking])
+    unread = [u for u in listing.unread if u.missed]
+    if unread and (missing or not used):
+        reasons = "; ".join(f"{inert(u.name)}: {u.reason}" for u in unread)
+        raise CheckpointError(
+            f"{inert(str(root))}: {len(unread)} checkpoint file(s) could not be read ({reasons}); the weights they "
+            "hold are missing: finish the download or copy and try again"
+        )
     if not used:
-        raise CheckpointError(f"{root}: no file in it holds weights for this model")
+        raise CheckpointError(f"{inert(str(root))}: no file in it holds weights for this model")
     if missing or unexpected or mismatched:
         parts = []
         if missing:
@@ -177,13 +196,15 @@ def load_weights(
         if mismatched:
             parts.append(f"{len(mismatched)} shape mismatch(es): {_short_list(list(mismatched.values()))}")
         raise InvalidInput(
-            f"the weights in {root} do not fit the model ({type(model).__name__}): {'; '.join(parts)}; "
+            f"the weights in {inert(str(root))} do not fit the model ({type(model).__name__}): {'; '.join(parts)}; "
             "check that --model and --model-kwargs build the model that was trained"
         )
     shown.stage("loading the weights", total=len(used))
     for name in used:  # second round: everything fits; load one file at a time
-        shown.detail(name)
-        loaded = load_file(root / name if root.is_dir() else root, allow_globals, unsafe_load)
+        shown.detail(inert(name))
+        loaded = load_entry(
+            root / name if root.is_dir() and name != root.name else root, allow_globals, unsafe_load, trust
+        )
         part, _ = _best_state_dict(loaded.obj, wanted)
         del loaded
         with torch.no_grad():
@@ -220,7 +241,7 @@ def _find_scaler(obj: Any, name: str = "", depth: int = 0) -> Optional[tuple[flo
             return None if scale is None else (scale, name)
         if is_optimizer_state(obj) or isinstance(obj, SafetensorsMapping):
             return None
-        items: Iterable[tuple[Any, Any]] = obj.items()
+        items: Iterable[tuple[Any, Any]] = obj.branches() if isinstance(obj, DcpTree) else obj.items()
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
     else:

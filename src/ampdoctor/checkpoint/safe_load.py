@@ -1,13 +1,16 @@
-"""Safe loading of checkpoint files: the whole security policy of ampdoctor, reviewable in one sitting.
+"""Safe loading of checkpoint files: the whole security policy of ampdoctor, reviewable in one sitting (with
+:mod:`.allow_list`, what ``--unsafe-load`` admits).
 
-Loading is always ``torch.load(..., weights_only=True)``. Before that, the file's pickle is disassembled (nothing
-runs) and a file that names a global able to run code (``os.system``, ``builtins.eval``, ``subprocess`` ...) is
-refused as likely malicious, even with ``unsafe_load``. A file that needs other globals is refused with those
-globals named: ``--allow-global`` is suggested only for the few known-harmless data types below (numpy arrays,
-dtypes and RNG state, ``argparse.Namespace`` ...); for any other global ampdoctor says it cannot tell whether it
-is safe. The caller may allow exactly the named globals (``allow_globals``) or, as a last resort, load without
-the safety net (``unsafe_load``). Safetensors files are memory-mapped and read one tensor at a time. Nothing here
-writes anything.
+Loading is ``torch.load(..., weights_only=True)`` unless the caller asks for ``unsafe_load``. Before loading, the
+file's pickles are disassembled (nothing runs; all five of a legacy file) and a file that names a global able to
+run code (``os.system``, ``builtins.eval``, ``subprocess``, ``logging.config.dictConfig`` ...) is refused as
+likely malicious. A file that needs other globals is refused with those globals named: ``--allow-global`` is
+suggested only for the few known-harmless data types below (numpy arrays, dtypes and RNG state,
+``argparse.Namespace`` ...); for any other global ampdoctor says it cannot tell whether it is safe. The caller may
+allow exactly the named globals (``allow_globals``) or, as a last resort, load with ``unsafe_load``: then every
+pickle torch reads is unpickled through the allow-list of :mod:`.allow_list`, which refuses, while loading,
+every global it does not admit (the pre-pass only words the message; an incomplete pre-pass admits nothing).
+Safetensors files are memory-mapped and read one tensor at a time. Nothing here writes anything.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import importlib
 import pickle
 import re
-import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -24,80 +26,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CheckpointError, CheckpointRefused, InvalidInput
-from .sniff import COMPUTED_GLOBAL, Sniffed, pickle_globals, pickle_protocol, sniff
+from ..report.inert import inert
+from .allow_list import LoadPolicy, refused_global, restricted_pickle, trusted_roots
+from .global_names import _NAME, _SCRIPT_MODULES, HARMLESS_GLOBALS, classify_global, is_harmless_name
+from .listing import CHECKPOINT_SUFFIXES, list_checkpoint
+from .sniff import Sniffed, name_is_utf8, opened_for_torch, pickle_globals, pickle_protocol, sniff
 
-# Files a directory scan opens (others, such as trainer_state.json, are left alone).
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
-
-GlobalKind = Literal["harmless", "code", "unknown", "corrupt"]
-# Known-harmless data types that training checkpoints hold besides tensors: the only globals a refusal
-# suggests allowing. Exact names (plus numpy's dtype classes, below).
-HARMLESS_GLOBALS = frozenset(
-    """
-    argparse.Namespace collections.OrderedDict collections.defaultdict collections.Counter collections.deque
-    torch.torch_version.TorchVersion _codecs.encode
-    numpy.ndarray numpy.dtype numpy.core.multiarray._reconstruct numpy._core.multiarray._reconstruct
-    numpy.core.multiarray.scalar numpy._core.multiarray.scalar
-    numpy.random._pickle.__randomstate_ctor numpy.random._pickle.__generator_ctor
-    numpy.random._pickle.__bit_generator_ctor numpy.random.mtrand.RandomState numpy.random._generator.Generator
-    numpy.random._mt19937.MT19937 numpy.random._pcg64.PCG64 numpy.random._pcg64.PCG64DXSM
-    numpy.random._philox.Philox numpy.random._sfc64.SFC64 numpy.random.bit_generator.SeedSequence
-    numpy.random.bit_generator.__pyx_unpickle_SeedSequence
-    builtins.set builtins.frozenset builtins.bytearray builtins.complex builtins.slice builtins.range
-    builtins.list builtins.dict builtins.tuple builtins.int builtins.float builtins.str builtins.bytes builtins.bool
-    datetime.datetime datetime.date datetime.time datetime.timedelta datetime.timezone
-    """.split()
-)
-_HARMLESS_PATTERN = re.compile(r"numpy\.dtypes\.\w+DType")
-# Modules whose globals can run code, and names elsewhere that load or run code: a file naming one is likely
-# hostile. Checked after the harmless names (``builtins.set`` is harmless, ``builtins.eval`` is not).
-_CODE_MODULES = frozenset(
-    """
-    os posix nt subprocess _posixsubprocess builtins __builtin__ sys shutil socket runpy importlib pickle _pickle
-    marshal code codeop ctypes pty webbrowser multiprocessing operator functools types pdb bdb timeit trace
-    cProfile profile commands popen2 platform asyncio threading _thread signal io _io tempfile glob pydoc
-    zipimport imp pip setuptools distutils http urllib ftplib smtplib telnetlib xmlrpc gc inspect ensurepip venv
-    """.split()
-)
-_CODE_NAMES = tuple(
-    """
-    torch.load torch.hub torch.jit torch.ops torch._C torch.serialization.load
-    numpy.load numpy.lib.npyio numpy.testing numpy.f2py numpy.distutils
-    """.split()
-)
-_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
-# Module names that mean "the script that ran" (classes defined there are pickled under them).
-_SCRIPT_MODULES = ("__main__", "__mp_main__")
-
-
-def classify_global(name: str) -> GlobalKind:
-    """What a global a pickle names can do: a known-harmless data type, code execution, unknown, or no name at
-    all (a corrupt file). Imports nothing: a module counts as present only when it is already imported."""
-    if name == COMPUTED_GLOBAL:
-        return "code"  # unknowable before it runs: treated as able to run code
-    if not _NAME.fullmatch(name):
-        return "corrupt"
-    if name in HARMLESS_GLOBALS or _HARMLESS_PATTERN.fullmatch(name):
-        return "harmless"
-    if name.split(".")[0] in _CODE_MODULES or any(name == p or name.startswith(p + ".") for p in _CODE_NAMES):
-        return "code"
-    parts = name.split(".")
-    if parts[0] in _SCRIPT_MODULES:
-        return "unknown"  # the script that saved the file, not the one running now
-    for cut in range(len(parts) - 1, 0, -1):
-        module = sys.modules.get(".".join(parts[:cut]))
-        if module is not None:
-            obj: Any = module
-            for attr in parts[cut:]:
-                if not hasattr(obj, attr):
-                    return "corrupt"  # a name the imported module does not have: damaged bytes, or another version
-                obj = getattr(obj, attr)
-            break
-    return "unknown"
-
+__all__ = [
+    "CHECKPOINT_SUFFIXES",
+    "HARMLESS_GLOBALS",
+    "UnsafeLoadWarning",
+    "classify_global",
+    "is_harmless_name",
+    "load_file",
+    "refusal",
+]
 
 def _listing(names: Sequence[str]) -> str:
-    return ", ".join(names) if names else "(unknown)"
+    return ", ".join(inert(n) for n in names) if names else "(unknown)"
 
 
 def refusal(path: str, blocking: Sequence[str]) -> CheckpointError:
@@ -112,7 +58,7 @@ def refusal(path: str, blocking: Sequence[str]) -> CheckpointError:
     code = [n for n in blocking if kinds[n] == "code"]
     unknown = [n for n in blocking if kinds[n] == "unknown"]
     corrupt = [n for n in blocking if kinds[n] == "corrupt"]
-    head = f"{path}: refused by torch.load(weights_only=True): it needs {_listing(blocking)}"
+    head = f"{inert(path)}: refused by torch.load(weights_only=True): it needs {_listing(blocking)}"
     if code:
         return CheckpointRefused(
             f"{head}; {_listing(code)} can run code: this file is likely malicious; do not allow it (ampdoctor "
@@ -122,8 +68,8 @@ def refusal(path: str, blocking: Sequence[str]) -> CheckpointError:
         )
     if corrupt:
         return CheckpointError(
-            f"{path}: a corrupt checkpoint (or one written by other versions of its libraries): its pickle names "
-            f"{_listing(corrupt)}, which does not exist here; copy it again, or use an earlier checkpoint"
+            f"{inert(path)}: a corrupt checkpoint (or one written by other versions of its libraries): its pickle "
+            f"names {_listing(corrupt)}, which does not exist here; copy it again, or use an earlier checkpoint"
         )
     if unknown:
         return CheckpointRefused(
@@ -135,7 +81,7 @@ def refusal(path: str, blocking: Sequence[str]) -> CheckpointError:
         )
     return CheckpointRefused(
         f"{head}; these are harmless data types: if you trust the file, allow exactly these with --allow-global "
-        f"{','.join(blocking)} (Python: allow_globals=[...])",
+        f"{','.join(inert(n) for n in blocking)} (Python: allow_globals=[...])",
         path,
         blocking,
     )
@@ -144,6 +90,37 @@ def refusal(path: str, blocking: Sequence[str]) -> CheckpointError:
 def is_malicious(refused: CheckpointRefused) -> bool:
     """The refused file names a global that can run code."""
     return any(classify_global(name) == "code" for name in refused.blocking)
+
+
+def policy_refusal(path: str, name: str) -> CheckpointRefused:
+    """The error for a global the ``--unsafe-load`` allow-list refused while loading, naming the flag that would
+    admit it (none for code)."""
+    kind = classify_global(name)
+    head = f"{inert(path)}: refused by the --unsafe-load allow-list: it needs {inert(name)}"
+    root = name.split(".")[0]
+    if kind == "code":
+        advice = f"{inert(name)} can run code: this file is likely malicious; no flag admits it"
+    elif root in _SCRIPT_MODULES:
+        advice = (
+            "a class of the script that saved the file, which ampdoctor cannot import; save the weights alone "
+            "(e.g. model.state_dict())"
+        )
+    elif root in ("torch", "numpy"):
+        advice = (
+            f"only {root}'s data classes are admitted; if you trust it, admit exactly it with --allow-global "
+            f"{inert(name)}"
+        )
+    else:
+        advice = (
+            f"if you trust the package that defines it, admit it with --trust {inert(root)} (Python: "
+            f"trust=[{root!r}]), or this name alone with --allow-global {inert(name)}"
+        )
+    return CheckpointRefused(f"{head}; {advice}", path, [name])
+
+
+class NotACheckpoint(CheckpointError):
+    """The file is something else (a text file, an image, a pickle torch.save did not write): nothing of it was
+    loaded, and it holds no weights a scan could miss."""
 
 
 class UnsafeLoadWarning(UserWarning):
@@ -166,7 +143,8 @@ class SafetensorsMapping(Mapping[str, Any]):
     def __init__(self, path: Path) -> None:
         from safetensors import safe_open
 
-        self._handle = safe_open(str(path), framework="pt", device="cpu")
+        with opened_for_torch(path) as name:  # safe_open maps the file: the name is not needed afterwards
+            self._handle = safe_open(name, framework="pt", device="cpu")
         self._keys = list(self._handle.keys())
         self._key_set = set(self._keys)
 
@@ -261,10 +239,11 @@ def _load_reason(exc: BaseException) -> str:
     return reason.split(". This is an internal miniz error", 1)[0]  # torch's zip reader adds a paragraph
 
 
-def _load_torch(path: Path, sniffed: Sniffed, allow_globals: Sequence[str], unsafe_load: bool) -> LoadedFile:
+def _load_torch(path: Path, sniffed: Sniffed, allow_globals: Sequence[str], unsafe_load: bool, trust: Sequence[str]
+                ) -> LoadedFile:  # fmt: skip
     import torch
 
-    needed, _ = pickle_globals(path, sniffed)  # a damaged pickle lists fewer: torch.load's check still runs
+    needed, _ = pickle_globals(path, sniffed)  # messages only: an incomplete list admits nothing (see below)
     allowed = _torch_allowed()
     foreign = [n for n in needed if n not in allowed]
     if any(classify_global(n) == "code" for n in foreign):
@@ -281,9 +260,13 @@ def _load_torch(path: Path, sniffed: Sniffed, allow_globals: Sequence[str], unsa
 
     is_zip = sniffed.kind == "torch-zip"
     context: AbstractContextManager[Any] = nullcontext()
+    extra: dict[str, Any] = {}
     if unsafe_load:
+        # Every pickle torch reads goes through the allow-list: a global it does not admit is refused while
+        # loading, before it is imported (the pre-pass above may have stopped early: damaged, or too large).
+        extra["pickle_module"] = restricted_pickle(LoadPolicy(tuple(allow_globals), trusted_roots(trust)))
         warnings.warn(
-            f"loading {path} with torch.load(weights_only=False): any code the file holds runs",
+            f"loading {inert(str(path))} with torch.load(weights_only=False) through ampdoctor's allow-list",
             UnsafeLoadWarning,
             stacklevel=3,
         )
@@ -293,14 +276,19 @@ def _load_torch(path: Path, sniffed: Sniffed, allow_globals: Sequence[str], unsa
             raise InvalidInput(f"--allow-global needs torch >= 2.5 (this is {torch.__version__})")
         context = safe_globals(_allowed_objects(allow_globals))
     try:
-        with context:
-            obj = torch.load(str(path), map_location=record_location, mmap=is_zip, weights_only=not unsafe_load)
+        with context, opened_for_torch(path) as name:
+            obj = torch.load(name, map_location=record_location, mmap=is_zip, weights_only=not unsafe_load, **extra)
     except MemoryError as exc:
         raise CheckpointError(
-            f"{path}: not enough memory to read it ({path.stat().st_size} bytes on disk); a corrupt size field, "
-            "or a checkpoint larger than this machine's memory"
+            f"{inert(str(path))}: not enough memory to read it ({path.stat().st_size} bytes on disk); a corrupt size "
+            "field, or a checkpoint larger than this machine's memory"
         ) from exc
     except Exception as exc:  # torch.load raises many types for a damaged file: all become one line naming it
+        if isinstance(exc, UnicodeError) and not name_is_utf8(path):
+            raise name_problem(path, exc) from exc
+        refused = refused_global(exc)
+        if refused is not None:
+            raise policy_refusal(str(path), refused) from None
         if not unsafe_load and isinstance(exc, pickle.UnpicklingError):
             named = _GLOBAL_IN_MESSAGE.findall(str(exc))
             blocking = [n for n in dict.fromkeys([*named, *foreign]) if n not in allow_globals]
@@ -309,13 +297,14 @@ def _load_torch(path: Path, sniffed: Sniffed, allow_globals: Sequence[str], unsa
             protocol = pickle_protocol(path, sniffed)
             if protocol is not None and protocol > _WEIGHTS_ONLY_PROTOCOL and "Unsupported operand" in str(exc):
                 raise CheckpointError(
-                    f"{path}: saved with pickle protocol {protocol}, which torch.load(weights_only=True) cannot read; "
-                    "save it again with torch.save's default protocol, or if you trust the file use --unsafe-load"
+                    f"{inert(str(path))}: saved with pickle protocol {protocol}, which "
+                    "torch.load(weights_only=True) cannot read; save it again with torch.save's default protocol, "
+                    "or if you trust the file use --unsafe-load"
                 ) from exc
         what = "PyTorch checkpoint" if is_zip else "PyTorch checkpoint (legacy format)"
         raise CheckpointError(
-            f"{path}: a truncated or corrupt {what}: {type(exc).__name__}: {_load_reason(exc)}; copy it again, or "
-            "use an earlier checkpoint"
+            f"{inert(str(path))}: a truncated or corrupt {what}: {type(exc).__name__}: {inert(_load_reason(exc))}; "
+            "copy it again, or use an earlier checkpoint"
         ) from exc
     return LoadedFile(obj, "torch" if is_zip else "torch-legacy", is_zip, locations)
 
@@ -325,47 +314,62 @@ def _load_safetensors(path: Path) -> LoadedFile:
         import safetensors  # noqa: F401
     except ImportError:
         raise CheckpointError(
-            f"{path}: reading .safetensors needs the safetensors package: pip install 'ampdoctor[safetensors]'"
+            f"{inert(str(path))}: reading .safetensors needs the safetensors package: pip install "
+            "'ampdoctor[safetensors]'"
         ) from None
     try:
         return LoadedFile(SafetensorsMapping(path), "safetensors", True, {})
     except Exception as exc:  # SafetensorError and friends: one clear line naming the file
+        if isinstance(exc, UnicodeError) and not name_is_utf8(path):
+            raise name_problem(path, exc) from exc
         raise CheckpointError(
-            f"{path}: not a readable safetensors file (truncated or corrupt): {first_line(str(exc))}"
+            f"{inert(str(path))}: not a readable safetensors file (truncated or corrupt): {inert(first_line(str(exc)))}"
         ) from exc
 
 
-def load_file(path: Path, allow_globals: Sequence[str] = (), unsafe_load: bool = False) -> LoadedFile:
-    """Read one checkpoint file (the only place file contents are read). Raises AmpDoctorError, never more."""
+def name_problem(path: Path, exc: BaseException) -> CheckpointError:
+    """A file whose name (not its contents) could not be handed to the reader."""
+    return CheckpointError(
+        f"{inert(str(path))}: its file name is not valid UTF-8, and the reader could not open it by another name "
+        f"({type(exc).__name__}); the file itself was not read: rename it (e.g. with only ASCII characters)"
+    )
+
+
+def _plain_pickle(path: Path, sniffed: Sniffed) -> CheckpointError:
+    """A pickle torch.save did not write: never loaded; the globals it names are said (code ones refuse it)."""
+    names, _ = pickle_globals(path, sniffed)
+    if any(classify_global(n) == "code" for n in names):
+        return refusal(str(path), names)
+    named = f" (it names {inert(_listing(names))})" if names else ""
+    return NotACheckpoint(f"{inert(str(path))}: not a checkpoint: {sniffed.description}{named}")
+
+
+def load_file(
+    path: Path, allow_globals: Sequence[str] = (), unsafe_load: bool = False, trust: Sequence[str] = ()
+) -> LoadedFile:
+    """Read one checkpoint file (the only place file contents are read). Raises AmpDoctorError, never more.
+    ``trust``: packages (and the ``--model`` module) whose globals an unsafe load admits."""
     try:
         sniffed = sniff(path)
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read it: {exc.strerror or exc}") from exc
+        raise CheckpointError(f"{inert(str(path))}: cannot read it: {exc.strerror or exc}") from exc
     if sniffed.kind == "safetensors" or (
         path.suffix == ".safetensors" and sniffed.kind == "other" and sniffed.description.startswith("binary data")
     ):
         return _load_safetensors(path)
     if sniffed.kind == "broken-zip":
         raise CheckpointError(
-            f"{path}: a truncated or corrupt PyTorch zip checkpoint (its zip directory is damaged); copy it again, "
-            "or use an earlier checkpoint"
+            f"{inert(str(path))}: a truncated or corrupt PyTorch zip checkpoint (its zip directory is damaged); copy "
+            "it again, or use an earlier checkpoint"
         )
+    if sniffed.kind == "other" and sniffed.description.startswith("a Python pickle"):
+        raise _plain_pickle(path, sniffed)
     if sniffed.kind == "other":
-        raise CheckpointError(f"{path}: not a checkpoint: {sniffed.description}")
-    return _load_torch(path, sniffed, allow_globals, unsafe_load)
+        raise NotACheckpoint(f"{inert(str(path))}: not a checkpoint: {sniffed.description}")
+    return _load_torch(path, sniffed, allow_globals, unsafe_load, trust)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The files a scan reads: the file itself, or the checkpoint files directly inside a directory."""
-    if not path.exists():
-        raise InvalidInput(f"{path}: no such file or directory")
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES)
-        if not files:
-            raise CheckpointError(
-                f"{path}: no checkpoint files in this directory (looked for {', '.join(CHECKPOINT_SUFFIXES)})"
-            )
-        return files
-    if not path.is_file():
-        raise InvalidInput(f"{path}: not a regular file or directory")
-    return [path]
+    """The files a scan reads: the file itself, or the readable checkpoint files directly inside a directory
+    (:func:`~.listing.list_checkpoint` also says which entries could not be read)."""
+    return list(list_checkpoint(path).files)

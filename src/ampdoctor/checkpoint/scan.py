@@ -28,8 +28,11 @@ from ..records.scan import (
     ScannedTensor,
     StorageFormat,
 )
+from ..report.inert import inert
 from ..report.scan_report import ScanReport
-from .safe_load import checkpoint_files, classify_global, first_line, is_malicious, load_file, refusal
+from .formats import checkpoint_entries, entry_size, load_entry
+from .listing import Listing
+from .safe_load import NotACheckpoint, classify_global, first_line, is_malicious, load_file, refusal
 
 if TYPE_CHECKING:
     import torch
@@ -145,7 +148,7 @@ class _FileScan:
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
             saved_on = ""
         if tensor.numel() >= LARGE_TENSOR_NUMEL:
-            self.progress.detail(f"{self.file}: {name} ({tensor.numel():,} values)")
+            self.progress.detail(inert(f"{self.file}: {name} ({tensor.numel():,} values)"))
         if not tensor.is_floating_point() or stored in _WIDE_FLOATS:
             self.pending.append(_Pending(name, role, saved_on, param, self.fp16.add(tensor), self.bf16.add(tensor)))
             return
@@ -263,9 +266,11 @@ class _Found:
     notes: list[str]
 
 
-def _scan_file(path: Path, label: str, allow_globals: Sequence[str], unsafe_load: bool, progress: Progress) -> _Found:
+def _scan_file(
+    path: Path, label: str, allow_globals: Sequence[str], unsafe_load: bool, trust: Sequence[str], progress: Progress
+) -> _Found:
     """Load, measure and let go of one file: its tensors are unreachable when this returns."""
-    loaded = load_file(path, allow_globals, unsafe_load)
+    loaded = load_entry(path, allow_globals, unsafe_load, trust, load_file)
     scan = _FileScan(label, loaded.locations, progress)
     try:
         scan.visit(loaded.obj)
@@ -274,14 +279,15 @@ def _scan_file(path: Path, label: str, allow_globals: Sequence[str], unsafe_load
         raise
     except Exception as exc:  # a damaged tensor in a file that loaded (mmap, safetensors): one line naming it
         detail = f"{type(exc).__name__}: {first_line(str(exc))}"
-        raise CheckpointError(f"{path}: could not read its tensors (truncated or corrupt): {detail}") from exc
+        where = inert(str(path))
+        raise CheckpointError(f"{where}: could not read its tensors (truncated or corrupt): {detail}") from exc
     fmt, mapped = loaded.format, loaded.memory_mapped
     del loaded
     empty = not tensors and not scan.scalers and not scan.optimizers
     info = ScannedFile(
         name=label,
         format=fmt,
-        size_bytes=path.stat().st_size,
+        size_bytes=entry_size(path),
         tensors=len(tensors),
         memory_mapped=mapped,
         saved_on=FrozenMap(_count_locations(tensors)),
@@ -290,37 +296,62 @@ def _scan_file(path: Path, label: str, allow_globals: Sequence[str], unsafe_load
     return _Found(info, tensors, scan.optimizers, scan.scalers, scan.formats, scan.notes)
 
 
+def _unloadable(file: Path, exc: CheckpointError, listing: Listing) -> ScannedFile:
+    """A file of a directory that did not load: why (its error, without the path), and whether it may hold weights
+    (an index names it; or no index, and it looked like a checkpoint)."""
+    reason = str(exc).removeprefix(f"{inert(str(file))}: ")
+    weights = file.name in listing.indexed or (not listing.has_index and not isinstance(exc, NotACheckpoint))
+    try:
+        size = file.stat().st_size
+    except OSError:
+        size = 0
+    return ScannedFile(file.name, "unknown", size, skipped=reason, unread=True, missed=weights)
+
+
 def scan(
     path: str | Path,
     *,
     dtype: str = "float16",
     allow_globals: Sequence[str] = (),
     unsafe_load: bool = False,
+    trust: Sequence[str] = (),
     progress: Optional[Progress] = None,
 ) -> ScanReport:
     """Scan a saved checkpoint for values that break mixed precision; no model code is needed.
 
     Args:
-        path: a ``torch.save``d state dict or training checkpoint (model / optimizer / scaler, nested), a
-            ``.safetensors`` file, or a directory of such files (shards; read one at a time).
+        path: a ``torch.save``d state dict or training checkpoint (model / optimizer / scaler, nested; a
+            Lightning ``.ckpt``), a ``.safetensors`` file, a directory of such files (shards, a Hugging Face
+            sharded folder, an Accelerate ``save_state`` folder; read one at a time), or a
+            ``torch.distributed.checkpoint`` folder (read one tensor at a time, no process group).
         dtype: the autocast format the verdict is about: ``"float16"`` (default) or ``"bfloat16"``. Counts for
             both are always reported. Tensors stored in float8 are judged against their own format.
         allow_globals: names such as ``"argparse.Namespace"`` to allow in ``torch.load(weights_only=True)``; a
             refusal (:class:`CheckpointRefused`) lists the ones a file needs.
-        unsafe_load: last resort, ``weights_only=False``: runs any code the file holds (warns). A file whose
-            pickle names a global that can run code (``os.system`` ...) is refused even so.
+        unsafe_load: last resort, ``weights_only=False`` through ampdoctor's allow-list (warns): admitted are what
+            ``weights_only`` admits, ``allow_globals``, the classes of torch's data modules, numpy's arrays, dtypes
+            and generators, Python containers, and the packages in ``trust``; any other global is refused while
+            loading (:mod:`ampdoctor.checkpoint.allow_list`). A global that can run code is refused even so.
+        trust: packages (``"mypkg"``) whose globals ``unsafe_load`` admits: the code that defines your model.
         progress: an :class:`ampdoctor.capture.progress.Progress` told about each file and each large tensor.
 
     The checkpoint is only read: nothing is written next to it. Raises :class:`AmpDoctorError` with one line
-    for a missing, empty, truncated, corrupt, refused or non-checkpoint input. A file in a directory that names
-    a global able to run code refuses the whole directory, naming that file. Other files of a directory that
-    are refused are skipped with a warning finding (naming their globals), and files without tensors with a
-    note, as long as another file holds tensors.
+    for a missing, empty, truncated, corrupt, refused or non-checkpoint input. In a directory, every entry with a
+    checkpoint suffix that cannot be read (a dangling link, a FIFO, a damaged file) and every shard an index
+    (``*.index.json``) names but the directory lacks is named in the report; when it may hold weights the scan
+    is incomplete (``verdict`` ``"incomplete"`` unless worse was found, ``exit_code`` 2). Files that are not
+    checkpoints, and unreadable files no index names in a directory that has one, are listed as skipped. A file
+    in a directory that names a global able to run code refuses the whole directory, naming that file. Other
+    files of a directory that are refused are skipped with a warning finding (naming their globals), and files
+    without tensors with a note, as long as another file holds tensors.
     """
     if dtype not in ("float16", "bfloat16"):
         raise InvalidInput(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    if trust and not unsafe_load:
+        raise InvalidInput("trust= admits globals only when loading with unsafe_load=True (CLI: --unsafe-load)")
     root = Path(path)
-    files = checkpoint_files(root)
+    listing = checkpoint_entries(root)
+    files = listing.files
     shown = progress or NO_PROGRESS
     import torch
 
@@ -332,9 +363,9 @@ def scan(
     refusals: list[CheckpointRefused] = []
     shown.stage("reading", total=len(files))
     for file in files:
-        shown.detail(file.name)
+        shown.detail(inert(file.name))
         try:
-            found.append(_scan_file(file, file.name, allow_globals, unsafe_load, shown))
+            found.append(_scan_file(file, file.name, allow_globals, unsafe_load, trust, shown))
             scanned.append(found[-1].info)
         except CheckpointRefused as refused:
             if not root.is_dir() or is_malicious(refused):
@@ -342,17 +373,31 @@ def scan(
             refusals.append(refused)
             size, blocking = file.stat().st_size, tuple(refused.blocking)  # only torch files are ever refused
             unknown = tuple(g for g in blocking if classify_global(g) != "harmless")
+            shard = file.name in listing.indexed  # a shard an index names: its weights were not seen
             scanned.append(
-                ScannedFile(file.name, "torch", size, skipped="refused", refused=blocking, refused_unknown=unknown)
+                ScannedFile(
+                    file.name, "torch", size, skipped="refused", refused=blocking, refused_unknown=unknown, missed=shard
+                )
             )
+        except CheckpointError as exc:  # a file of a directory that does not load: named, the rest still scanned
+            if not root.is_dir():
+                raise
+            scanned.append(_unloadable(file, exc, listing))
         shown.advance()
     shown.close()
+    scanned += [
+        ScannedFile(u.name, "unknown", 0, skipped=u.reason, unread=True, missed=u.missed) for u in listing.unread
+    ]
     if all(f.skipped for f in scanned):
+        unread = [f for f in scanned if f.unread]
+        if unread and not refusals:
+            reasons = "; ".join(f"{inert(f.name)}: {f.skipped}" for f in unread)
+            raise CheckpointError(f"{inert(str(path))}: no checkpoint file in it could be read ({reasons})")
         if refusals:
-            where = f"{root} ({', '.join(Path(r.path).name for r in refusals)})"
+            where = f"{inert(str(root))} ({', '.join(inert(Path(r.path).name) for r in refusals)})"
             raise refusal(where, [n for r in refusals for n in r.blocking])
         where = "no file in it holds" if root.is_dir() else "loaded, but holds no"
-        raise CheckpointError(f"{path}: {where} tensors: not a checkpoint")
+        raise CheckpointError(f"{inert(str(path))}: {where} tensors: not a checkpoint")
     tensors = [t for f in found for t in f.tensors]
     optimizers = [o for f in found for o in f.optimizers]
     scalers = [s for f in found for s in f.scalers]

@@ -8,11 +8,16 @@ file gets a clear answer instead of an unpickler's ``KeyError: 101``. ``pickle_g
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import json
+import os
 import pickletools
+import stat
 import struct
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, cast
@@ -56,9 +61,63 @@ class Sniffed:
     pickle_name: str = ""  # the zip member holding the pickle ("archive/data.pkl")
 
 
+class NotARegularFile(OSError):
+    """The path is a FIFO, a device, a socket or a directory: never opened for reading (a FIFO would block)."""
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "not a regular file"
+
+
+@contextmanager
+def open_regular(path: Path) -> Iterator[int]:
+    """A read-only descriptor of ``path``, opened without blocking (a FIFO would wait for a writer) and checked to
+    be a regular file (the file type of what was opened, so a swap after a stat cannot fool it)."""
+    fd = os.open(os.fsencode(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile(f"{file_kind(mode)}, not a regular file")
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def _read_head(path: Path) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read(_HEAD)
+    with open_regular(path) as fd:
+        return os.read(fd, _HEAD)
+
+
+def name_is_utf8(path: Path) -> bool:
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes kept as surrogates (os.fsdecode)
+        return False
+    return True
+
+
+@contextmanager
+def opened_for_torch(path: Path) -> Iterator[str]:
+    """A name torch and safetensors can open ``path`` by (they take str names and encode them as UTF-8): the path
+    itself, or for a file name that is not UTF-8, ``/proc/self/fd/N`` of a descriptor opened by its bytes."""
+    if name_is_utf8(path):
+        yield str(path)
+        return
+    if not os.path.isdir("/proc/self/fd"):
+        raise UnicodeError(f"the file name {path!s} is not valid UTF-8 and this system has no /proc/self/fd")
+    with open_regular(path) as fd:
+        yield f"/proc/self/fd/{fd}"
 
 
 def looks_like_safetensors(head: bytes, size: int) -> bool:
@@ -86,7 +145,9 @@ def _zip_kind(path: Path) -> Sniffed:
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, NotImplementedError):
         return Sniffed("broken-zip", "a damaged zip archive")
     pickles = [n for n in names if n == "data.pkl" or n.endswith("/data.pkl")]
-    if any(n.endswith("constants.pkl") for n in names) and any("/code/" in n for n in names):
+    # torch.load(weights_only=False) hands any zip with a constants.pkl record to torch.jit.load (TorchScript
+    # runs): such a file is never a checkpoint here, code/ folder or not.
+    if any(n == "constants.pkl" or n.endswith("/constants.pkl") for n in names):
         return Sniffed("other", "a TorchScript archive (torch.jit.save); scan a state_dict saved with torch.save")
     if pickles:
         return Sniffed("torch-zip", pickle_name=pickles[0])
@@ -124,7 +185,7 @@ def _describe_other(head: bytes) -> str:
 def sniff(path: Path) -> Sniffed:
     """What ``path`` looks like: a PyTorch checkpoint (zip or legacy), a safetensors file, or something else."""
     head = _read_head(path)
-    size = path.stat().st_size
+    size = os.stat(os.fsencode(path)).st_size
     if not head:
         return Sniffed("other", "an empty file (0 bytes; the copy failed?)")
     if looks_like_safetensors(head, size):
@@ -136,57 +197,102 @@ def sniff(path: Path) -> Sniffed:
     return Sniffed("other", _describe_other(head))
 
 
-def _open_pickle(path: Path, sniffed: Sniffed) -> io.BytesIO:
-    """The bytes of the file's object pickle (the legacy format's fourth pickle; a zip's data.pkl)."""
+# Pickles of a legacy torch.save file: magic number, protocol version, system info, the object, storage keys.
+LEGACY_PICKLES = 5
+
+
+def _pickle_data(path: Path, sniffed: Sniffed) -> tuple[io.BytesIO, bool]:
+    """The bytes of the file's pickles (a zip's data.pkl; a legacy file from its start), up to the read limit,
+    and whether the read was cut at the limit."""
     if sniffed.kind == "torch-zip":
         with zipfile.ZipFile(path) as zf, zf.open(sniffed.pickle_name) as member:
-            return io.BytesIO(member.read(_PICKLE_READ_LIMIT))
-    with open(path, "rb") as fh:
-        data = io.BytesIO(fh.read(_PICKLE_READ_LIMIT))
-    for _ in range(3):  # magic number, protocol version, system info
-        for _op in pickletools.genops(data):
-            pass
+            data = member.read(_PICKLE_READ_LIMIT + 1)
+    else:
+        with open_regular(path) as fd, os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(_PICKLE_READ_LIMIT + 1)
+    return io.BytesIO(data[:_PICKLE_READ_LIMIT]), len(data) > _PICKLE_READ_LIMIT
+
+
+def _open_pickle(path: Path, sniffed: Sniffed) -> io.BytesIO:
+    """The bytes of the file's object pickle (the legacy format's fourth pickle; a zip's data.pkl)."""
+    data, _ = _pickle_data(path, sniffed)
+    if sniffed.kind == "torch-legacy":
+        for _ in range(3):  # magic number, protocol version, system info
+            for _op in pickletools.genops(data):
+                pass
     return data
 
 
+def python3_name(module: str, name: str) -> tuple[str, str]:
+    """Python 2 names of protocols 0-2 (``__builtin__.set``, ``copy_reg._reconstructor``) as the unpickler maps
+    them."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def _count(pickles: int) -> str:
+    return "its first pickle" if pickles == 1 else f"its {pickles} pickles"
+
+
 def pickle_globals(path: Path, sniffed: Sniffed) -> tuple[list[str], str]:
-    """The globals (``module.name``) the file's object pickle imports, and why the list may be incomplete
-    ("" when it is complete). Disassembled with ``pickletools``: nothing runs."""
+    """The globals (``module.name``) the file's pickles import (every pickle torch.load reads: a zip's
+    data.pkl, the five pickles of a legacy file; for another pickle file, its first), and why the list may be
+    incomplete ("" when it is complete: damaged, or larger than the read limit). Disassembled with
+    ``pickletools``: nothing runs."""
     names: list[str] = []
-    recent: list[Optional[str]] = []  # what the last two pushes were (a string, or None for anything else)
-    memo: dict[int, Optional[str]] = {}
+    pickles = LEGACY_PICKLES if sniffed.kind == "torch-legacy" else 1
+    cut = False
     try:
-        data = _open_pickle(path, sniffed)
-        for op, raw, _ in pickletools.genops(data):
-            kind, arg = op.name, cast(Any, raw)
-            if kind in ("GLOBAL", "INST"):
-                module, _, name = str(arg).partition(" ")
-                names.append(f"{module}.{name}")
-                recent.append(None)
-            elif kind == "STACK_GLOBAL":
-                if len(recent) == 2 and recent[0] is not None and recent[1] is not None:
-                    names.append(f"{recent[0]}.{recent[1]}")
-                else:  # a name built at load time (str(...) of something): nothing can check it in advance
-                    names.append(COMPUTED_GLOBAL)
-                recent = [None]
-            elif kind in _STRING_OPS:
-                recent.append(arg if isinstance(arg, str) else bytes(arg).decode("latin-1"))
-            elif kind in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
-                memo[len(memo) if kind == "MEMOIZE" else int(arg)] = recent[-1] if recent else None
-            elif kind in ("BINGET", "LONG_BINGET", "GET"):
-                recent.append(memo.get(int(arg)))
-            elif kind not in ("PROTO", "FRAME"):
-                recent.append(None)
-            recent = recent[-2:]
+        data, cut = _pickle_data(path, sniffed)
+        for _ in range(pickles):
+            _globals_of_one(data, names)
     except (ValueError, EOFError, UnicodeDecodeError, struct.error, OverflowError, KeyError) as exc:
-        return list(dict.fromkeys(names)), f"its pickle is damaged ({type(exc).__name__}: {exc})"
+        if cut:
+            why = f"{_count(pickles)} go past the {_PICKLE_READ_LIMIT}-byte read limit"
+        else:
+            why = f"its pickle is damaged ({type(exc).__name__}: {exc})"
+        return list(dict.fromkeys(names)), why
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, NotImplementedError) as exc:
         return list(dict.fromkeys(names)), f"its zip archive is damaged ({type(exc).__name__}: {exc})"
     return list(dict.fromkeys(names)), ""
 
 
+def _globals_of_one(data: io.BytesIO, names: list[str]) -> None:
+    """Add the globals of the pickle that starts at ``data``'s position (left after its STOP) to ``names``."""
+    recent: list[Optional[str]] = []  # what the last two pushes were (a string, or None for anything else)
+    memo: dict[int, Optional[str]] = {}
+    for op, raw, _ in pickletools.genops(data):
+        kind, arg = op.name, cast(Any, raw)
+        if kind in ("GLOBAL", "INST"):
+            module, _, name = str(arg).partition(" ")
+            module, name = python3_name(module, name)
+            names.append(f"{module}.{name}")
+            recent.append(None)
+        elif kind == "STACK_GLOBAL":
+            if len(recent) == 2 and recent[0] is not None and recent[1] is not None:
+                names.append(f"{recent[0]}.{recent[1]}")
+            else:  # a name built at load time (str(...) of something): nothing can check it in advance
+                names.append(COMPUTED_GLOBAL)
+            recent = [None]
+        elif kind in ("EXT1", "EXT2", "EXT4"):  # a global from copyreg's extension registry: unknowable here
+            names.append(COMPUTED_GLOBAL)
+            recent.append(None)
+        elif kind in _STRING_OPS:
+            recent.append(arg if isinstance(arg, str) else bytes(arg).decode("latin-1"))
+        elif kind in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+            memo[len(memo) if kind == "MEMOIZE" else int(arg)] = recent[-1] if recent else None
+        elif kind in ("BINGET", "LONG_BINGET", "GET"):
+            recent.append(memo.get(int(arg)))
+        elif kind not in ("PROTO", "FRAME"):
+            recent.append(None)
+        recent = recent[-2:]
+
+
 def pickle_protocol(path: Path, sniffed: Sniffed) -> Optional[int]:
     """The protocol of the file's object pickle (its PROTO opcode), when it has one and it can be read."""
+    if sniffed.kind == "other":
+        return None
     try:
         for op, arg, _ in pickletools.genops(_open_pickle(path, sniffed)):
             return int(cast(int, arg)) if op.name == "PROTO" else None

@@ -43,13 +43,9 @@ def render(report: Report, fmt: str) -> str:
     if fmt == "json":
         return report.to_json(indent=2)
     if fmt == "markdown":
-        from ..report.markdown import render_markdown
-
-        return render_markdown(report)
+        return report.to_markdown()
     if fmt == "html":
-        from ..report.html import render_html_page
-
-        return render_html_page(report)
+        return report.to_html()
     return report.to_text()
 
 
@@ -76,8 +72,17 @@ def add_loading_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--unsafe-load",
         action="store_true",
-        help="last resort: torch.load(weights_only=False), which runs any code the file holds (warns); files "
-        "that name os.system and the like are refused even so",
+        help="last resort: torch.load(weights_only=False) through ampdoctor's allow-list (warns): admits what "
+        "weights_only admits, --allow-global names, torch's data classes (modules, optimizers ...), numpy arrays, "
+        "Python containers, the --model module and --trust packages; refuses every other global while loading",
+    )
+    group.add_argument(
+        "--trust",
+        metavar="PACKAGE",
+        action="append",
+        default=[],
+        help="with --unsafe-load: admit every global of PACKAGE and its submodules (the code that defines your "
+        "model); repeatable. Packages that run code (os, subprocess ...), torch and numpy cannot be trusted whole",
     )
 
 
@@ -88,11 +93,29 @@ def allowed_globals(args: argparse.Namespace) -> list[str]:
     return [check_global_name(n.strip()) for item in args.allow_global for n in item.split(",") if n.strip()]
 
 
+def trusted_packages(args: argparse.Namespace, model_spec: Optional[str] = None) -> list[str]:
+    """With ``--unsafe-load``: the ``--trust`` packages, checked (no import), plus the module of ``--model`` when
+    it can be trusted; without it, none. Raises InvalidInput for ``--trust`` without ``--unsafe-load``."""
+    from ..checkpoint.allow_list import check_trusted
+
+    trusted = [check_trusted(p) for item in args.trust for p in item.split(",") if p.strip()]
+    if not args.unsafe_load:
+        if trusted:
+            raise InvalidInput("--trust admits globals only when loading with --unsafe-load: add --unsafe-load")
+        return []
+    if model_spec and ":" in model_spec:
+        try:
+            trusted.append(check_trusted(model_spec.partition(":")[0]))
+        except InvalidInput:
+            pass  # torch.nn:Sequential and the like: admitted by class already, or never
+    return list(dict.fromkeys(trusted))
+
+
 def warn_unsafe(args: argparse.Namespace) -> None:
     if args.unsafe_load:
         print(
-            "ampdoctor: warning: --unsafe-load: torch.load(weights_only=False) runs any code the checkpoint holds; "
-            "use it only on files you trust",
+            "ampdoctor: warning: --unsafe-load: torch.load(weights_only=False) through ampdoctor's allow-list; "
+            "the classes it admits run their own code when loaded: use it only on files you trust",
             file=sys.stderr,
         )
 
@@ -188,5 +211,7 @@ def user_code(what: str, stage: Optional[Stage] = None) -> Iterator[None]:
 def one_line(exc: BaseException) -> str:
     """An error message on one printable line (messages from the user's model or a damaged file may span several
     lines or hold control characters)."""
+    from ..report.inert import inert
+
     text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text) or type(exc).__name__
+    return inert(text) or type(exc).__name__

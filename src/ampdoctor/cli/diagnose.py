@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import InvalidInput, ModelRaised
+from .batch import describe, load_batch, select_inputs, to_device
 from .common import (
     FORMATS,
     add_loading_options,
@@ -18,6 +20,7 @@ from .common import (
     emit,
     progress_for,
     render,
+    trusted_packages,
     user_code,
     warn_unsafe,
     warnings_as_notes,
@@ -26,13 +29,12 @@ from .common import (
 from .fileio import check_output
 from .inputs import (
     INPUT_DTYPES,
+    INPUT_SEED,
     DiagnoseInputs,
     build_model,
     check_arguments,
     import_factory,
-    load_batch,
     random_batch,
-    to_device,
 )
 
 if TYPE_CHECKING:
@@ -56,8 +58,8 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
     parser.add_argument(
         "checkpoint",
         metavar="CKPT",
-        help="checkpoint file, directory of shards, or a failure bundle written by ampdoctor.watch (which holds "
-        "its own batch)",
+        help="checkpoint file, folder of shards (Hugging Face, Accelerate save_state), torch.distributed.checkpoint "
+        "folder, or a failure bundle written by ampdoctor.watch (which holds its own batch)",
     )
     parser.add_argument(
         "--model",
@@ -70,17 +72,33 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
     parser.add_argument(
         "--loss",
         metavar="MODULE:FN",
-        help="loss function FN(output, batch) -> scalar (for a bundle: FN(output, targets) when the watch had "
+        help="loss function FN(output, batch) -> scalar, as diagnose()'s loss_fn: batch is the whole --batch, "
+        "targets included, also with --model-inputs (for a bundle: FN(output, targets) when the watch had "
         "targets); without it: a scalar output, output.loss, or a surrogate",
     )
     inputs = parser.add_mutually_exclusive_group()
     inputs.add_argument(
         "--batch",
-        metavar="FILE",
-        help="the model's input: .pt (a tensor -> model(x), a tuple -> model(*x), a dict -> model(**x)), .npy, "
-        ".npz (arr_0, arr_1, ... are positional, other names are keywords)",
+        metavar="FILE|MODULE:FUNCTION",
+        help="the batch, as a DataLoader yields it: a tensor, a tuple/list such as (inputs, targets), or a dict; "
+        "from a file (.pt, loaded like a checkpoint: weights_only, --allow-global, --unsafe-load; .npy; .npz: "
+        "arr_0, arr_1, ... are positional, other names are keywords) or returned by FUNCTION() (the current "
+        "directory is importable). The model gets it by diagnose()'s rule: a tensor -> model(x), a tuple/list "
+        "-> model(*batch), a dict -> model(**batch); or only the part --model-inputs names",
     )
-    inputs.add_argument("--input-shape", metavar="SHAPE", help="random input of this shape, e.g. 8x3x224x224")
+    inputs.add_argument(
+        "--input-shape",
+        metavar="SHAPE",
+        help="a RANDOM input of this shape, e.g. 8x3x224x224 (seeded); the report then says its verdict is on "
+        "random input, which says nothing about your data",
+    )
+    parser.add_argument(
+        "--model-inputs",
+        metavar="WHICH",
+        help="when --batch holds targets too: the part the model gets, by the same rule: positions of the tuple "
+        "(0 -> model(batch[0]); 0,1 -> model(batch[0], batch[1])) or keys of the dict (input_ids,attention_mask "
+        "-> model(input_ids=..., attention_mask=...)); --loss still gets the whole batch",
+    )
     parser.add_argument(
         "--input-dtype",
         default="float32",
@@ -140,9 +158,10 @@ def _saved_from_cuda(saved_on: Mapping[str, int], device_type: str) -> list[str]
 def run_diagnose(args: argparse.Namespace) -> int:
     """Check the arguments (no torch yet), then build, load, diagnose and write the report."""
     plan = check_arguments(args)
-    inputs = [p for p in (args.checkpoint, args.batch) if p]
+    inputs = [p for p in (args.checkpoint, args.batch) if p and os.path.exists(p)]
     check_output(args.output, inputs)
     globals_ = allowed_globals(args)
+    trusted_packages(args, args.model)  # checked before torch is imported
     warn_unsafe(args)
     with progress_for(args) as progress, warnings_as_notes() as warned:
         progress.stage("starting (importing torch)")
@@ -155,7 +174,8 @@ def run_diagnose(args: argparse.Namespace) -> int:
 def _source_files(args: argparse.Namespace) -> list[str]:
     """The files of the modules ``--model`` and ``--loss`` were imported from."""
     files = []
-    for spec in (args.model, args.loss):
+    batch_spec = args.batch if args.batch and not os.path.exists(args.batch) else None
+    for spec in (args.model, args.loss, batch_spec):
         module = sys.modules.get((spec or "").partition(":")[0])
         path = getattr(module, "__file__", None)
         if isinstance(path, str):
@@ -179,39 +199,77 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
     progress.stage("building the model")
     model = build_model(args.model, plan.model_kwargs)
     loaded = load_weights(
-        model, args.checkpoint, allow_globals=globals_, unsafe_load=args.unsafe_load, progress=progress
+        model,
+        args.checkpoint,
+        allow_globals=globals_,
+        unsafe_load=args.unsafe_load,
+        trust=trusted_packages(args, args.model),
+        progress=progress,
     )
     progress.stage("making the batch")
     if plan.shape is not None:
         batch = random_batch(plan.shape, args.input_shape, args.input_dtype, model)
     else:
-        batch = load_batch(args.batch)
+        batch = load_batch(args.batch, import_factory, globals_, args.unsafe_load)
     scale, scale_source, notes = _checkpoint_scale(args, loaded.scaler_scale, loaded.scaler_path)
     model.to(device)
+    batch = to_device(batch, device)
+    fed, model_loss = batch, loss_fn
+    if plan.selection is not None:
+        fed = select_inputs(batch, plan.selection, f"--batch {args.batch}")
+        model_loss = None if loss_fn is None else _whole_batch_loss(loss_fn, batch)
     progress.stage("diagnosing (several instrumented passes)")
     try:
         with user_code("the model or its loss, during the diagnosis"):
             report = diagnose(
                 model,
-                to_device(batch, device),
+                fed,
                 dtype=getattr(torch, args.dtype),
                 device_type=args.device,
                 scale=scale,
-                loss_fn=loss_fn,
+                loss_fn=model_loss,
                 progress=progress,
             )
     except ModelRaised as exc:
         if exc.stage != "forward":
             raise
-        source = f"--batch {args.batch}" if args.batch else f"--input-shape {args.input_shape}"
-        raise ModelRaised(f"{exc}; check that {source} fits what the model expects", exc.stage, exc.where) from exc
+        raise ModelRaised(f"{exc}; {_forward_hint(args, plan, batch)}", exc.stage, exc.where) from exc
     run = report.run
     run = dataclasses.replace(
         run,
+        random_input=f"--input-shape {args.input_shape}, {args.input_dtype}, seed {INPUT_SEED}" if plan.shape else "",
         scale_source=scale_source or run.scale_source,
         notes=(*run.notes, *notes, *_saved_from_cuda(loaded.saved_on, run.device_type)),
     )
     return dataclasses.replace(report, run=run)
+
+
+def _whole_batch_loss(loss_fn: Callable[..., Any], batch: Any) -> Callable[[Any, Any], Any]:
+    """``--loss FN`` with ``--model-inputs``: FN(output, the whole batch), targets included."""
+
+    def loss(output: Any, _inputs: Any) -> Any:
+        return loss_fn(output, batch)
+
+    return loss
+
+
+def _forward_hint(args: argparse.Namespace, plan: DiagnoseInputs, batch: Any) -> str:
+    """What to check when the model's forward raised on the batch."""
+    if args.batch is None:
+        return f"check that --input-shape {args.input_shape} fits what the model expects"
+    hint = f"check that --batch {args.batch} ({describe(batch)}) fits what the model expects"
+    if plan.selection is None and not _is_tensor(batch):
+        hint += (
+            "; if it holds targets too (inputs, targets), give the model only its part: --model-inputs 0 (or the "
+            "dict keys the forward takes)"
+        )
+    return hint
+
+
+def _is_tensor(batch: Any) -> bool:
+    import torch
+
+    return isinstance(batch, torch.Tensor)
 
 
 def _is_bundle(path_text: str) -> bool:
@@ -238,6 +296,7 @@ def _replay(
             ("--input-dtype", args.input_dtype != "float32"),
             ("--allow-global", bool(args.allow_global)),
             ("--unsafe-load", args.unsafe_load),
+            ("--trust", bool(args.trust)),
         )
         if given
     ]

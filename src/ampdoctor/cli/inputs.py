@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import InvalidInput, ModelRaised
 from ..training.bundle_format import BUNDLE_FORMAT
+from .batch import Selection, check_batch_argument, parse_selection
 from .common import user_code
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class DiagnoseInputs:
     shape: Optional[tuple[int, ...]]
     model_kwargs: dict[str, Any]
     bundle: bool
+    selection: Optional[Selection] = None  # --model-inputs: the part of the batch the model receives
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -96,8 +98,11 @@ def check_arguments(args: argparse.Namespace) -> DiagnoseInputs:
     kwargs = parse_kwargs(args.model_kwargs)
     if args.scale is not None and not (math.isfinite(args.scale) and args.scale > 0):
         raise InvalidInput(f"--scale must be a positive number, got {args.scale:g}")
-    if args.batch and not Path(args.batch).is_file():
-        raise InvalidInput(f"--batch {args.batch}: no such file")
+    if args.batch:
+        check_batch_argument(args.batch)
+    selection = parse_selection(args.model_inputs) if args.model_inputs else None
+    if selection is not None and not args.batch:
+        raise InvalidInput("--model-inputs picks the model's part of a --batch that holds targets too: give --batch")
     shape = parse_shape(args.input_shape) if args.input_shape is not None else None
     check_dtype_name(args.input_dtype)
     bundle = may_be_bundle(Path(args.checkpoint), BUNDLE_FORMAT)
@@ -105,7 +110,7 @@ def check_arguments(args: argparse.Namespace) -> DiagnoseInputs:
         raise InvalidInput(f"{args.checkpoint} is a failure bundle with its own batch: drop --batch/--input-shape")
     if not bundle and not args.batch and not shape:
         raise InvalidInput("give the model's input: --batch FILE or --input-shape SHAPE (a bundle holds its own)")
-    return DiagnoseInputs(shape, kwargs, bundle)
+    return DiagnoseInputs(shape, kwargs, bundle, selection)
 
 
 def import_factory(spec: str, option: str = "--model") -> Callable[..., Any]:
@@ -173,48 +178,3 @@ def random_batch(shape: tuple[int, ...], shape_text: str, dtype_name: str, model
     except (RuntimeError, MemoryError) as exc:  # e.g. a shape too large to allocate here
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidInput(f"--input-shape {shape_text}: cannot make that input ({first})") from exc
-
-
-def load_batch(path_text: str) -> Any:
-    """A batch from .pt (weights_only), .npy or .npz (no pickles)."""
-    import numpy as np
-    import torch
-
-    path = Path(path_text)
-    if not path.is_file():
-        raise InvalidInput(f"--batch {path_text}: no such file")
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".npy":
-            return torch.from_numpy(np.load(path, allow_pickle=False))
-        if suffix == ".npz":
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {k: torch.from_numpy(data[k]) for k in data.files}
-            if arrays and all(re.fullmatch(r"arr_\d+", k) for k in arrays):
-                ordered = [arrays[k] for k in sorted(arrays, key=lambda k: int(k[4:]))]
-                return ordered[0] if len(ordered) == 1 else tuple(ordered)
-            return arrays
-        batch = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # numpy/torch raise many types for a bad file: one line naming it
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InvalidInput(
-            f"--batch {path_text}: not a readable batch ({type(exc).__name__}: {first}); save a tensor, tuple or "
-            "dict with torch.save (.pt), or an array with numpy.save (.npy) / numpy.savez (.npz)"
-        ) from exc
-    if isinstance(batch, list):
-        batch = tuple(batch)
-    if not isinstance(batch, (torch.Tensor, tuple, Mapping)):
-        raise InvalidInput(f"--batch {path_text}: holds a {type(batch).__name__}; expected a tensor, tuple or dict")
-    return batch
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple):
-        return tuple(to_device(b, device) for b in batch)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch

@@ -14,6 +14,7 @@ from .common import (
     allowed_globals,
     emit,
     progress_for,
+    trusted_packages,
     warn_unsafe,
     warnings_as_notes,
 )
@@ -38,7 +39,12 @@ def add_scan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
         epilog="Exit status: 0 healthy (or warnings only), 1 findings, 2 usage or input error (a refused, corrupt "
         "or non-checkpoint file included).",
     )
-    parser.add_argument("path", metavar="PATH", help="checkpoint file or directory of shards")
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="checkpoint file (.pt, .bin, .ckpt, .safetensors), folder of shards (Hugging Face, Accelerate "
+        "save_state), or torch.distributed.checkpoint folder (.metadata + *.distcp)",
+    )
     parser.add_argument(
         "--dtype",
         choices=["float16", "bfloat16"],
@@ -67,13 +73,19 @@ def run_scan(args: argparse.Namespace) -> int:
         raise InvalidInput(f"{args.path}: no such file or directory")
     check_output(args.output, [args.path])
     globals_ = allowed_globals(args)
+    trust = trusted_packages(args)
     warn_unsafe(args)
     with progress_for(args) as progress, warnings_as_notes() as warned:
         progress.stage("starting (importing torch)")
         from ..checkpoint.scan import scan
 
         report = scan(
-            args.path, dtype=args.dtype, allow_globals=globals_, unsafe_load=args.unsafe_load, progress=progress
+            args.path,
+            dtype=args.dtype,
+            allow_globals=globals_,
+            unsafe_load=args.unsafe_load,
+            trust=trust,
+            progress=progress,
         )
     if warned:
         report = dataclasses.replace(report, notes=(*report.notes, *warned))

@@ -444,6 +444,9 @@ class RunInfo:
     backward_note: str = ""  # why no gradient was computed
     passes: tuple[PassRecord, ...] = ()
     policy: str = "native"  # "native" (torch.autocast on device_type) or "cuda_emulated" (CUDA lists on CPU)
+    # Non-empty when the batch was drawn at random (the CLI's --input-shape): what was drawn, e.g.
+    # "8x32x16 float32, seed 0". The verdict then says nothing about real data; every renderer says so first.
+    random_input: str = ""
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,17 @@ from . import FrozenMap, TensorStats
 
 # Major.minor: readers refuse a newer major version; a newer minor only adds fields.
 # 1.1: findings hold data (their prose is rendered), tuples, notes, storage formats (float8), exit_code.
-SCAN_SCHEMA_VERSION = "1.1"
+# 1.2: the "incomplete" verdict, files listed but not read (unread) and shards an index names but the folder lacks
+#      (missed), finding kinds "unread" and "skipped_unread".
+SCAN_SCHEMA_VERSION = "1.2"
 
 Severity = Literal["error", "warning", "note"]
-ScanVerdict = Literal["healthy", "overflow", "nan", "underflow"]
+# "incomplete": no finding, but files that may hold weights could not be read (never "healthy" then).
+ScanVerdict = Literal["healthy", "overflow", "nan", "underflow", "incomplete"]
 FindingVerdict = Literal["overflow", "nan", "underflow"]
 Role = Literal["weights", "optimizer", "scaler"]  # "weights": anything outside an optimizer or a scaler
-FileFormat = Literal["torch", "torch-legacy", "safetensors"]
+FileFormat = Literal["torch", "torch-legacy", "safetensors", "dcp", "unknown"]  # dcp: a torch.distributed.checkpoint
+# folder; unknown: a file that was not read
 FindingKind = Literal[
     "nonfinite",  # weight or GradScaler tensors hold inf/NaN (``role`` says which)
     "beyond_range",  # weight values that become inf when cast to the target format
@@ -40,6 +44,8 @@ FindingKind = Literal[
     "refused_file",  # directory scan: a file refused for globals ampdoctor knows to be harmless (data types)
     "refused_unknown",  # directory scan: a file refused for globals ampdoctor cannot judge
     "no_tensors",  # directory scan: a file without tensors
+    "unread",  # directory scan: files that may hold weights could not be read (the scan is incomplete)
+    "skipped_unread",  # directory scan: unreadable or non-checkpoint files no index names (listed, not weights)
 ]
 
 VERDICT_ORDER: tuple[FindingVerdict, ...] = ("overflow", "nan", "underflow")
@@ -78,6 +84,8 @@ class ScannedFile:
     # Those of ``refused`` the loading policy does not know to be harmless data types (unknown, or able to run
     # code); classified when the file was read, so the analysis needs no loading policy.
     refused_unknown: tuple[str, ...] = ()
+    unread: bool = False  # could not be read at all (``skipped`` says why): absent, a dangling link, a FIFO ...
+    missed: bool = False  # unread, and it may hold weights this scan did not see (an index names it, or no index)
 
 
 @dataclass(frozen=True)
@@ -158,8 +166,9 @@ class ScanFinding:
 
     ``severity`` "error" decides the verdict (``verdict``: overflow, nan or underflow); "warning" and "note" do
     not change the exit code. ``tensors`` names every tensor concerned, or the files (``refused_*``,
-    ``no_tensors``), or the optimizer / scaler path (``eps_zero``, ``scaler_*``). The other fields hold the
-    numbers that matter for the kind and stay at their defaults otherwise:
+    ``no_tensors``, ``unread``, ``skipped_unread``), or the optimizer / scaler path (``eps_zero``,
+    ``scaler_*``). The other fields hold the numbers that matter for the kind and stay at their defaults
+    otherwise (``unread`` is an error without a verdict: the report's verdict is then "incomplete"):
 
     - ``count``: values concerned (``beyond_range``, ``flush_to_zero`` warning, ``float8_saturated``)
     - ``worst`` / ``worst_value``: the tensor that shows it most and its |x|max (``beyond_range``) or its

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from ..analysis import Divergence, Origin
 from ..records import BATCH, LOSS, OpFinding, Recommendation, SourceLocation, TensorStats
+from .numbers import fmt_num
 from .rows import ReportRows, bits_text
 
 if TYPE_CHECKING:
@@ -18,20 +19,6 @@ if TYPE_CHECKING:
 
 # Names listed inline (propagation, not captured) before "...".
 INLINE_NAMES = 8
-
-
-def fmt_num(value: Optional[float]) -> str:
-    if value is None:
-        return "-"
-    if value != value:
-        return "nan"
-    if value in (float("inf"), float("-inf")):
-        return "inf" if value > 0 else "-inf"
-    if value == int(value) and abs(value) < 1e7:
-        return str(int(value))  # 16384, not 1.638e+04
-    if 1e-3 <= abs(value) < 1e5:
-        return f"{value:.4g}"
-    return f"{value:.3e}"
 
 
 def describe_bad(stats: TensorStats) -> str:
@@ -64,7 +51,7 @@ def describe_where(op: OpFinding, loc: SourceLocation) -> str:
 
 def describe_origin(origin: Origin, origin_scale: float = 1.0) -> list[str]:
     """The origin's title line, then its details (each detail line starts with two spaces)."""
-    title = "Forward origin" if origin.direction == "forward" else f"Backward origin (at scale {origin_scale:g})"
+    title = "Forward origin" if origin.direction == "forward" else f"Backward origin (at scale {fmt_num(origin_scale)})"
     if origin.module == BATCH:
         return [f"{title}: the batch itself ({origin.tensor} {describe_bad(origin.bad)}); nothing in the model ran yet"]
     if origin.module == LOSS:
@@ -89,7 +76,7 @@ def describe_origin(origin: Origin, origin_scale: float = 1.0) -> list[str]:
             held = None if origin.input_abs_max is None else origin.input_abs_max * origin_scale
             received = (
                 f"incoming gradient finite (|x|max {fmt_num(origin.input_abs_max)} unscaled, "
-                f"{fmt_num(held)} as held at scale {origin_scale:g})"
+                f"{fmt_num(held)} as held at scale {fmt_num(origin_scale)})"
             )
         lines.append(f"  {received}; its own code made {origin.tensor} non-finite: {describe_bad(origin.bad)}")
     if origin.op is not None:
@@ -207,14 +194,15 @@ def divergence_lines(d: Divergence) -> list[str]:
         times = d.loss_peak / d.loss_median if d.loss_median > 0 else math.inf
         rise = f"{times:.0f}x its median" if math.isfinite(times) else "non-finite"
         lines.append(
-            f"the loss left its range at step {d.began} (recent median {d.loss_median:.4g}; up to "
-            f"{d.loss_peak:.4g} at step {d.peak_step}: {rise})"
+            f"the loss left its range at step {d.began} (recent median {fmt_num(d.loss_median)}; up to "
+            f"{fmt_num(d.loss_peak)} at step {d.peak_step}: {rise})"
         )
     else:
         lines.append(f"weights or activations grew fast from step {d.began} while the loss rose")
     if d.growth:
         lines.append("fastest growth: " + ", ".join(
-            f"{g.what} of {g.module or '<root>'} x{g.factor:.3g} (steps {g.from_step}-{g.to_step})" for g in d.growth
+            f"{g.what} of {g.module or '<root>'} x{fmt_num(g.factor)} (steps {g.from_step}-{g.to_step})"
+            for g in d.growth
         ))
     lines.append(f"then bad steps from step {d.skipped_from}")
     return lines
@@ -224,13 +212,13 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
     """Everything the text and markdown reports say, in order."""
     f, run = report.findings, report.run
     origin = f.forward_origin or f.backward_origin
-    head = f.verdict.upper() + (f" - {origin.direction} origin: {origin.label}" if origin is not None else "")
+    head = verdict_text(report) + (f" - {origin.direction} origin: {origin.label}" if origin is not None else "")
     if not run.backward_checked:
         head += " (forward only: no gradient was checked)"
     if f.divergence is not None:
         head += f" - divergence from step {f.divergence.began}"
     backward = (
-        f"loss scale {run.scale:g} ({run.scale_source}), loss from {run.loss_source}"
+        f"loss scale {fmt_num(run.scale)} ({run.scale_source}), loss from {run.loss_source}"
         if run.backward_checked
         else "forward only"
     )
@@ -251,15 +239,15 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
         sections.append(Section(title, (Para(_names(f.propagation)),)))
     if f.scale is not None:
         s = f.scale
-        probes = ", ".join(f"{p.scale:g}:{'ok' if p.gradients_finite else 'inf'}" for p in s.probes)
-        body: list[Block] = [Para(f"gradients non-finite at scale {s.used_scale:g}; re-run at {probes}")]
+        probes = ", ".join(f"{fmt_num(p.scale)}:{'ok' if p.gradients_finite else 'inf'}" for p in s.probes)
+        body: list[Block] = [Para(f"gradients non-finite at scale {fmt_num(s.used_scale)}; re-run at {probes}")]
         if s.largest_finite_scale is None:
             body.append(Para("non-finite even at scale 1: a real defect, not a loss-scale problem"))
         else:
             share = s.lost_share_at_largest
             body.append(
                 Para(
-                    f"largest finite scale {s.largest_finite_scale:g}; gradient values lost to zero there: "
+                    f"largest finite scale {fmt_num(s.largest_finite_scale)}; gradient values lost to zero there: "
                     + (f"{share:.2%}" if share is not None else "unknown")
                     + (" (harmless)" if s.harmless else "")
                 )
@@ -273,10 +261,11 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
             where = "inside" if w.contains_current else "OUTSIDE"
             first = (
                 f"useful scales [{fmt_num(w.min_useful)}, {fmt_num(w.max_safe)}]; "
-                f"current {w.current:g} is {where} ({w.reference})"
+                f"current {fmt_num(w.current)} is {where} ({w.reference})"
             )
         probes = ", ".join(
-            f"{p.scale:g}:" + (f"{p.lost_share:.1%} lost" if p.lost_share is not None else "inf") for p in w.probes
+            f"{fmt_num(p.scale)}:" + (f"{p.lost_share:.1%} lost" if p.lost_share is not None else "inf")
+            for p in w.probes
         )
         sections.append(Section("Loss-scale window", (Para(first), Para(f"measured at {probes}"))))
     if f.precision is not None:
@@ -352,16 +341,32 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
     return Document(f.verdict, head, facts, tuple(sections), alerts(report))
 
 
+def verdict_text(report: Report) -> str:
+    """'HEALTHY', or 'HEALTHY on random input' when the batch was random: never mistaken for real data's."""
+    return report.verdict.upper() + (" on random input" if report.run.random_input else "")
+
+
+def random_input_alert(random_input: str) -> str:
+    """What a random batch means for the verdict (the first line under the head of every rendering)."""
+    return (
+        f"The batch was random ({random_input}), not your data: this verdict is about random values only. Real "
+        "inputs (their scale, outliers, real targets) can overflow where random ones do not; give a real batch "
+        "(--batch FILE, or --batch MODULE:FUNCTION) for a verdict on your data."
+    )
+
+
 def alerts(report: Report) -> tuple[str, ...]:
-    """Facts that change what the whole report means: the user's loop without AMP here, no gradient checked."""
+    """Facts that change what the whole report means: a random batch, the user's loop without AMP here, no
+    gradient checked."""
     run = report.run
-    return (*run.environment, *([run.backward_note] if run.backward_note else []))
+    random = [random_input_alert(run.random_input)] if run.random_input else []
+    return (*random, *run.environment, *([run.backward_note] if run.backward_note else []))
 
 
 def failed_passes(report: Report) -> list[str]:
     """One line per optional pass that failed or was skipped (would not fit in memory): what it was for, why."""
     missed = [p for p in report.run.passes if p.status != "ran"]
-    return [f"{p.purpose} ({p.dtype}, scale {p.scale:g}): {p.status}: {p.reason}" for p in missed]
+    return [f"{p.purpose} ({p.dtype}, scale {fmt_num(p.scale)}): {p.status}: {p.reason}" for p in missed]
 
 
 def _steps(report: Report, max_rows: int) -> list[Block]:
@@ -371,13 +376,13 @@ def _steps(report: Report, max_rows: int) -> list[Block]:
         return []
     skipped = [s for s in steps if s.skipped]
     scales = [steps[0].scale] + [s.scale for a, s in zip(steps, steps[1:]) if s.scale != a.scale]
-    history = " -> ".join(f"{v:g}" for v in scales[:12]) + (" ..." if len(scales) > 12 else "")
+    history = " -> ".join(f"{fmt_num(v)}" for v in scales[:12]) + (" ..." if len(scales) > 12 else "")
     body: list[Block] = [Para(f"{len(steps)} step(s) recorded, {len(skipped)} skipped; scale {history}")]
     rows: list[list[object]] = [
         [
             s.step,
             s.rank,
-            f"{s.scale:g}",
+            f"{fmt_num(s.scale)}",
             s.run or "-",
             "finite" if s.forward_finite else "non-finite",
             s.forward_origin or "-",

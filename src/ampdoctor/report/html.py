@@ -25,6 +25,7 @@ from .document import (
     divergence_lines,
     failed_passes,
     fmt_num,
+    verdict_text,
 )
 from .html_parts import _code, _e, _names, _shape, _td
 from .html_tables import COLLAPSE_MIN_RUN, FULL_TABLE_ROWS, backward_section, forward_section, steps_section
@@ -57,7 +58,7 @@ def _banner(report: Report) -> str:
     elif verdict == "healthy" and f.warnings:
         where = "with warnings"
     facts = (
-        f"{run.limits.dtype} autocast on {run.device} · loss scale {run.scale:g} ({run.scale_source}) · "
+        f"{run.limits.dtype} autocast on {run.device} · loss scale {fmt_num(run.scale)} ({run.scale_source}) · "
         f"loss from {run.loss_source} · {run.model_class} · {len(report.trace.calls)} module calls · "
         f"torch {run.torch_version}"
     )
@@ -67,7 +68,7 @@ def _banner(report: Report) -> str:
         where += f" · divergence from step {f.divergence.began}"
     notices = "".join(f'<div class="ad-alert">{_e(a)}</div>' for a in alerts(report))
     return (
-        f'<div class="ad-banner ad-v-{_e(css)}"><span class="ad-verdict">{_e(verdict.upper())}</span>{where}'
+        f'<div class="ad-banner ad-v-{_e(css)}"><span class="ad-verdict">{_e(verdict_text(report))}</span>{where}'
         f'<div class="ad-facts">{_e(facts)}</div>{notices}</div>'
     )
 
@@ -78,7 +79,7 @@ def _dl(items: Sequence[tuple[str, str]]) -> str:
 
 def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
     lines = describe_origin(origin, scale)
-    title = "Forward origin" if origin.direction == "forward" else f"Backward origin (at scale {scale:g})"
+    title = "Forward origin" if origin.direction == "forward" else f"Backward origin (at scale {fmt_num(scale)})"
     items: list[tuple[str, str]] = []
     if origin.module in (BATCH, LOSS):
         head = _e(lines[0])
@@ -94,7 +95,7 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
         if origin.input_abs_max is not None:
             proof = f"finite, largest magnitude {_e(fmt_num(origin.input_abs_max))}"
             if origin.direction == "backward" and scale != 1.0:
-                proof += f" (× scale {scale:g} = {_e(fmt_num(origin.input_abs_max * scale))} as held)"
+                proof += f" (× scale {fmt_num(scale)} = {_e(fmt_num(origin.input_abs_max * scale))} as held)"
             items.append((received, proof))
         bad = origin.bad
         items.append(
@@ -134,8 +135,8 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
     items.append(
         (
             "format",
-            f"{_e(limits.dtype)}: max {limits.max:g}, |x| ≥ {limits.overflow_threshold:g} becomes inf, "
-            f"smallest normal {limits.tiny:g}",
+            f"{_e(limits.dtype)}: max {fmt_num(limits.max)}, |x| ≥ {fmt_num(limits.overflow_threshold)} becomes inf, "
+            f"smallest normal {fmt_num(limits.tiny)}",
         )
     )
     return f'<div class="ad-card"><h4>{head}</h4>{_dl(items)}</div>'
@@ -161,15 +162,15 @@ def _findings_sections(report: Report) -> str:
         )
     if f.scale is not None:
         s = f.scale
-        probes = ", ".join(f"{p.scale:g}: {'finite' if p.gradients_finite else 'non-finite'}" for p in s.probes)
-        items = [f"<li>gradients non-finite at scale {s.used_scale:g}; re-runs at {_e(probes)}</li>"]
+        probes = ", ".join(f"{fmt_num(p.scale)}: {'finite' if p.gradients_finite else 'non-finite'}" for p in s.probes)
+        items = [f"<li>gradients non-finite at scale {fmt_num(s.used_scale)}; re-runs at {_e(probes)}</li>"]
         if s.largest_finite_scale is None:
             items.append("<li>non-finite even at scale 1: a real defect, not a loss-scale problem</li>")
         else:
             share = "unknown" if s.lost_share_at_largest is None else f"{s.lost_share_at_largest:.2%}"
             harmless = " (harmless: GradScaler's skip-and-back-off handles it)" if s.harmless else ""
             items.append(
-                f"<li>largest finite scale {s.largest_finite_scale:g}; gradient values lost to zero there: "
+                f"<li>largest finite scale {fmt_num(s.largest_finite_scale)}; gradient values lost to zero there: "
                 f"{_e(share)}{_e(harmless)}</li>"
             )
         parts.append(_section("Loss scale", "<ul>" + "".join(items) + "</ul>"))
@@ -201,7 +202,7 @@ def _findings_sections(report: Report) -> str:
         )
         parts.append(
             _section(
-                f"Near the {run.limits.dtype} max (< {HEADROOM_WARN_BITS:g} bit of headroom)",
+                f"Near the {run.limits.dtype} max (< {fmt_num(HEADROOM_WARN_BITS)} bit of headroom)",
                 '<table class="ad-calls"><tr><th>call</th><th>tensor</th><th>|x|max</th><th>headroom bits</th></tr>'
                 f"{rows}</table>",
             )
@@ -255,7 +256,7 @@ def _run_section(report: Report) -> str:
     items = [
         ("device", _e(run.device)),
         ("format", _e(run.limits.dtype)),
-        ("loss scale", _e(f"{run.scale:g} ({run.scale_source})")),
+        ("loss scale", _e(f"{fmt_num(run.scale)} ({run.scale_source})")),
         ("loss", _e(run.loss_source)),
         ("model", _code(run.model_class)),
         ("versions", _e(f"torch {run.torch_version}, ampdoctor {run.ampdoctor_version}, "
@@ -299,7 +300,8 @@ def render_html(report: Report) -> str:
 def render_html_page(report: Report) -> str:
     """A standalone HTML document (``--format html``): the same report, viewable in any browser."""
     origin = report.forward_origin or report.backward_origin
-    title = f"ampdoctor: {report.verdict}" + (f" at {origin.label}" if origin is not None else "")
+    title = f"ampdoctor: {report.verdict}" + (" on random input" if report.run.random_input else "")
+    title += f" at {origin.label}" if origin is not None else ""
     title += f" ({report.run.model_class})"
     return (
         "<!DOCTYPE html>\n"

@@ -8,6 +8,7 @@ from html import escape
 from ..records import TensorStats
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 from .document import describe_bad
+from .numbers import fmt_num
 
 # Names listed inline (propagation, not captured) before "and N more".
 INLINE_NAMES = 8
@@ -46,8 +47,8 @@ def _td(text: str, num: bool = False, raw: bool = False, attrs: str = "") -> str
 def _legend() -> str:
     keys = (
         ("nonfinite", "inf/NaN"),
-        ("warn", f"< {HEADROOM_WARN_BITS:g} bit"),
-        ("tight", f"< {HEADROOM_TIGHT_BITS:g} bits"),
+        ("warn", f"< {fmt_num(HEADROOM_WARN_BITS)} bit"),
+        ("tight", f"< {fmt_num(HEADROOM_TIGHT_BITS)} bits"),
         ("fine", "fine"),
     )
     return (

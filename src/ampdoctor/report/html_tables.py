@@ -240,8 +240,8 @@ def _counts(rows: Sequence[Row]) -> str:
     n = {k: sum(1 for r in rows if r.level == k) for k in ("nonfinite", "warn", "tight")}
     parts = [
         f"{n['nonfinite']} non-finite",
-        f"{n['warn']} under {HEADROOM_WARN_BITS:g} bit",
-        f"{n['tight']} under {HEADROOM_TIGHT_BITS:g} bits",
+        f"{n['warn']} under {fmt_num(HEADROOM_WARN_BITS)} bit",
+        f"{n['tight']} under {fmt_num(HEADROOM_TIGHT_BITS)} bits",
     ]
     return ", ".join(parts)
 
@@ -252,7 +252,7 @@ def forward_section(report: Report) -> str:
         return ""
     limits = report.run.limits
     summary = (
-        f"Forward: {len(rows)} module calls ({_counts(rows)}); headroom = log2({limits.max:g} / |x|max)"
+        f"Forward: {len(rows)} module calls ({_counts(rows)}); headroom = log2({fmt_num(limits.max)} / |x|max)"
     )
     return (
         f"<details open><summary>{_e(summary)} {_legend()}</summary>"
@@ -271,7 +271,7 @@ def backward_section(report: Report) -> str:
     is_open = " open" if f.backward_origin is not None or f.scale is not None or f.underflow is not None else ""
     summary = (
         f"Backward: {len(rows)} gradient events ({_counts(rows)}); |g| unscaled, held = × loss scale "
-        f"{trace.scale:g}"
+        f"{fmt_num(trace.scale)}"
     )
     return (
         f"<details{is_open}><summary>{_e(summary)} {_legend()}</summary>"
@@ -294,7 +294,7 @@ def steps_rows(report: Report) -> list[Row]:
             (
                 _td(str(st.step), True),
                 _td(fmt_num(st.loss), True),
-                _td(f"{st.scale:g}", True),
+                _td(f"{fmt_num(st.scale)}", True),
                 _td("skipped" if st.skipped else "taken"),
                 _td("finite" if st.forward_finite else "non-finite"),
                 _td(" / ".join(_code(o) for o in origins), raw=True),
@@ -312,7 +312,8 @@ def steps_section(report: Report) -> str:
     if not steps:
         return ""
     skipped = sum(1 for st in steps if st.skipped)
-    summary = f"Training steps: {len(steps)} ({skipped} skipped; scale {steps[0].scale:g} → {steps[-1].scale:g})"
+    scales = f"{fmt_num(steps[0].scale)} → {fmt_num(steps[-1].scale)}"
+    summary = f"Training steps: {len(steps)} ({skipped} skipped; scale {scales})"
     is_open = " open" if skipped or not all(st.forward_finite for st in steps) else ""
     return (
         f"<details{is_open}><summary>{_e(summary)}</summary>"

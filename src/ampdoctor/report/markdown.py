@@ -7,6 +7,7 @@ import re
 from typing import TYPE_CHECKING
 
 from .document import Document, Item, Para, Source, Table, build_document
+from .inert import inert
 from .rows import left_out_line
 
 if TYPE_CHECKING:
@@ -17,14 +18,15 @@ _SPECIAL = re.compile(r"([\\`*_\[\]<>|#~])")
 
 
 def md_escape(text: str) -> str:
-    """Text shown as itself (module names such as ``_orig_mod`` or ``<root>`` are not markup)."""
-    return _SPECIAL.sub(r"\\\1", text)
+    """Text shown as itself (module names such as ``_orig_mod`` or ``<root>`` are not markup; control characters
+    and line breaks escaped visibly)."""
+    return _SPECIAL.sub(r"\\\1", inert(text))
 
 
 def _fence(code: str, language: str = "python", indent: str = "") -> list[str]:
     longest = max((len(m) for m in re.findall(r"`+", code)), default=0)
     fence = "`" * max(3, longest + 1)  # a fence longer than any run of backticks inside
-    return [f"{indent}{fence}{language}", *(indent + line for line in code.splitlines()), f"{indent}{fence}"]
+    return [f"{indent}{fence}{language}", *(indent + inert(line) for line in code.splitlines()), f"{indent}{fence}"]
 
 
 def _table(table: Table) -> list[str]:

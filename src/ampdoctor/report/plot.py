@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 from .._optional import require
 from ..analysis import Origin
 from ..records import BATCH, LOSS, FormatLimits, TensorStats
+from .numbers import fmt_num
 from .rows import ReportRows
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def _short(label: str) -> str:
 
 def _scale_text(scale: float) -> str:
     exponent = math.log2(scale) if scale > 0 else math.nan
-    return f"2^{exponent:g}" if math.isfinite(exponent) and exponent == int(exponent) else f"{scale:g}"
+    return f"2^{fmt_num(exponent)}" if math.isfinite(exponent) and exponent == int(exponent) else f"{fmt_num(scale)}"
 
 
 def forward_series(report: Report) -> Series:
@@ -169,15 +170,15 @@ def _band(ax: Axes, limits: FormatLimits, bottom: float, top: float) -> None:
     flush = math.log2(limits.flush_threshold)
     ax.axhspan(
         inf_from, top, color=_COLORS["inf"], alpha=0.14, lw=0,
-        label=f"inf (|x| ≥ {limits.overflow_threshold:g})", gid="ampdoctor-band-inf",
+        label=f"inf (|x| ≥ {fmt_num(limits.overflow_threshold)})", gid="ampdoctor-band-inf",
     )
     ax.axhspan(
         flush, tiny, color=_COLORS["subnormal"], alpha=0.16, lw=0,
-        label=f"subnormal (|x| < 2^{tiny:g}, precision lost)", gid="ampdoctor-band-subnormal",
+        label=f"subnormal (|x| < 2^{fmt_num(tiny)}, precision lost)", gid="ampdoctor-band-subnormal",
     )
     ax.axhspan(
         bottom, flush, color=_COLORS["zero"], alpha=0.22, lw=0,
-        label=f"becomes 0 (|x| ≤ 2^{flush:g})", gid="ampdoctor-band-zero",
+        label=f"becomes 0 (|x| ≤ 2^{fmt_num(flush)})", gid="ampdoctor-band-zero",
     )
     ax.set_ylim(bottom, top)
 

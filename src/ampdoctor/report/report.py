@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Union
 
 from ..analysis import Findings, Origin
 from ..records import ModuleInfo, PassTrace, Recommendation, RunInfo, StepRecord, Verdict
@@ -56,33 +58,80 @@ class Report(SavedReport):
         return 1
 
     # -- serialisation --------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, absolute_paths: bool = False) -> dict[str, Any]:
         """Plain data for JSON: every field, plus ``verdict`` and ``exit_code`` at the top (read-only: ignored
-        by :meth:`from_dict`, which recomputes them)."""
+        by :meth:`from_dict`, which recomputes them). Source paths are relative to the working directory (or
+        to the package root for library code) unless ``absolute_paths``."""
         data: dict[str, Any] = {"verdict": self.verdict, "exit_code": self.exit_code}
-        data.update(to_plain(self))
+        if self.run.random_input:  # the verdict is about a random batch, not real data (see run.random_input)
+            data["on_random_input"] = True
+        data.update(to_plain(self._shown(absolute_paths)))
         return data
 
+    def to_json(self, indent: Optional[int] = None, *, absolute_paths: bool = False) -> str:
+        import json
+
+        return json.dumps(self.to_dict(absolute_paths=absolute_paths), indent=indent, allow_nan=False)
+
+    def _shown(self, absolute_paths: bool) -> Report:
+        """This report with its source paths as shown (see :mod:`.paths`), or as captured."""
+        if absolute_paths:
+            return self
+        from .paths import with_shown_paths
+
+        return with_shown_paths(self)
+
     # -- rendering ------------------------------------------------------------------------------------------
-    def to_text(self, max_rows: int = 20) -> str:
+    def to_text(self, max_rows: int = 20, *, absolute_paths: bool = False) -> str:
+        """The plain-text report (what ``print(report)`` shows); source paths relative unless ``absolute_paths``."""
         from .text import render_text
 
-        return render_text(self, max_rows=max_rows)
+        return render_text(self._shown(absolute_paths), max_rows=max_rows)
 
-    def to_markdown(self, max_rows: int = 20) -> str:
+    def to_markdown(self, max_rows: int = 20, *, absolute_paths: bool = False) -> str:
         """GitHub-flavoured markdown (headings, pipe tables, fenced code) for issues and pull requests."""
         from .markdown import render_markdown
 
-        return render_markdown(self, max_rows=max_rows)
+        return render_markdown(self._shown(absolute_paths), max_rows=max_rows)
+
+    def to_html(self, *, fragment: bool = False, absolute_paths: bool = False) -> str:
+        """A standalone HTML page (what ``--format html`` writes), or with ``fragment`` the ``<div>`` a notebook
+        shows. Escaped, no JavaScript, with a ``<pre>`` text fallback; source paths relative unless
+        ``absolute_paths``."""
+        from .html import render_html, render_html_page
+
+        shown = self._shown(absolute_paths)
+        return render_html(shown) if fragment else render_html_page(shown)
+
+    def save(self, path: Union[str, os.PathLike[str]], *, absolute_paths: bool = False) -> Path:
+        """Write the report in the format its suffix names: ``.html``, ``.md``, ``.json`` or ``.txt``. Returns
+        the path. Any other suffix raises :class:`~ampdoctor.errors.InvalidInput` (nothing is written)."""
+        target = Path(path)
+        writers = {
+            ".html": lambda: self.to_html(absolute_paths=absolute_paths),
+            ".htm": lambda: self.to_html(absolute_paths=absolute_paths),
+            ".md": lambda: self.to_markdown(absolute_paths=absolute_paths),
+            ".json": lambda: self.to_json(indent=2, absolute_paths=absolute_paths),
+            ".txt": lambda: self.to_text(absolute_paths=absolute_paths),
+        }
+        writer = writers.get(target.suffix.lower())
+        if writer is None:
+            from ..errors import InvalidInput
+
+            raise InvalidInput(
+                f"Report.save({os.fspath(path)!r}): cannot tell the format from the suffix {target.suffix!r}; name "
+                "the file .html, .md, .json or .txt"
+            )
+        text = writer()
+        target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        return target
 
     def __str__(self) -> str:
         return self.to_text()
 
     def _repr_html_(self) -> str:
         """Rich display in Jupyter (escaped, no JavaScript, with a ``<pre>`` text fallback)."""
-        from .html import render_html
-
-        return render_html(self)
+        return self.to_html(fragment=True)
 
     def to_dataframe(self) -> Any:
         """One row per module call and tensor (pandas needed: ``pip install ampdoctor[notebook]``)."""

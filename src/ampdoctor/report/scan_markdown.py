@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
+from .inert import inert_names
 from .scan_text import (
     Table,
     file_table,
@@ -55,7 +56,9 @@ def _escape(text: str) -> str:
 
 
 def render_scan_markdown(report: ScanReport, max_rows: int = 20) -> str:
-    """The verdict as a heading, then findings, state and tables, each under its own heading."""
+    """The verdict as a heading, then findings, state and tables, each under its own heading. Names from the files
+    are shown inert (:func:`~.inert.inert_names`)."""
+    report = inert_names(report)
     head = verdict_line(report).split(" - ", 1)
     lines = [f"## ampdoctor scan: {report.verdict}", ""]
     if len(head) == 2:
@@ -88,7 +91,7 @@ def render_scan_markdown(report: ScanReport, max_rows: int = 20) -> str:
     files = file_table(report, max_rows, code)
     if files is not None:
         lines += ["", "### Files", "", *pipe_table(files)]
-    if report.verdict != "healthy":
+    if report.verdict not in ("healthy", "incomplete"):
         lines += [
             "",
             "### Next step",

@@ -50,13 +50,22 @@ class ScanReport(SavedReport):
 
     @property
     def verdict(self) -> ScanVerdict:
-        """``overflow``, ``nan``, ``underflow`` (from error findings, in that order of priority) or ``healthy``."""
+        """``overflow``, ``nan``, ``underflow`` (from error findings, in that order of priority), else
+        ``incomplete`` when files that may hold weights could not be read, else ``healthy``."""
         seen = {f.verdict for f in self.findings if f.severity == "error"}
-        return next((v for v in VERDICT_ORDER if v in seen), "healthy")
+        found = next((v for v in VERDICT_ORDER if v in seen), None)
+        return found or ("incomplete" if self.incomplete else "healthy")
+
+    @property
+    def incomplete(self) -> bool:
+        """Files that may hold weights could not be read: absent shards an index names, dangling links ..."""
+        return any(f.missed for f in self.files)
 
     @property
     def exit_code(self) -> int:
-        """CLI convention: 0 healthy or warnings only, 1 a finding."""
+        """CLI convention: 0 healthy or warnings only, 1 a finding, 2 an incomplete scan (whatever it found)."""
+        if self.incomplete:
+            return 2
         return 0 if self.verdict == "healthy" else 1
 
     @property

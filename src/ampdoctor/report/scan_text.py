@@ -17,6 +17,7 @@ from tabulate import tabulate
 from ..analysis.scan import FLOAT8_SATURATED_SHARE, LOW_SCALER_SCALE
 from ..records.scan import SECOND_MOMENT_KEYS, ModuleSummary, ScanFinding, ScannedTensor
 from ..thresholds import DEFAULT_FP16_SCALE, HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
+from .inert import inert_names
 from .text import describe_bad, fmt_num
 
 if TYPE_CHECKING:
@@ -37,8 +38,8 @@ def bits_text(value: Optional[float]) -> str:
 def scale_text(scale: float) -> str:
     """``65536 (2**16)`` for powers of two, else four significant digits."""
     if scale > 0 and math.isfinite(scale) and math.log2(scale).is_integer():
-        return f"{scale:g} (2**{int(math.log2(scale))})"
-    return f"{scale:.4g}"
+        return f"{fmt_num(scale)} (2**{int(math.log2(scale))})"
+    return f"{fmt_num(scale)}"
 
 
 def _share(part: int, whole: Optional[int]) -> str:
@@ -74,7 +75,7 @@ def _nonfinite(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     more = f" (and {len(tensors) - _SHOWN} more tensors)" if len(tensors) > _SHOWN else ""
     no_inf = [
         f"{fmt.dtype} has no inf, so values too large for it became NaN when quantized (or were clipped to "
-        f"{fmt.max:g})"
+        f"{fmt_num(fmt.max)})"
         for fmt in r.storage_formats
         if not fmt.has_inf and any(t.stats.dtype == fmt.dtype and t.stats.has_nan for t in tensors)
     ]
@@ -85,7 +86,7 @@ def _nonfinite(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
 def _beyond_range(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     lim = r.limits
     return (
-        f"{f.count} weight value(s) beyond the {r.dtype} range (|x| >= {lim.overflow_threshold:g})",
+        f"{f.count} weight value(s) beyond the {r.dtype} range (|x| >= {fmt_num(lim.overflow_threshold)})",
         f"they become inf when autocast casts them: {_first(f.tensors)} (largest |x| {fmt_num(f.worst_value)} in "
         f"{f.worst}); run the layers that use them in float32 (ampdoctor.fp32_fallback) or train in bfloat16",
     )
@@ -109,14 +110,15 @@ def _flush_to_zero(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
 
 def _thin_headroom(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     return (
-        f"{len(f.tensors)} tensor(s) within {HEADROOM_WARN_BITS:g} bit of the {r.dtype} max ({r.limits.max:g})",
+        f"{len(f.tensors)} tensor(s) within {fmt_num(HEADROOM_WARN_BITS)} bit of the {r.dtype} max "
+        f"({fmt_num(r.limits.max)})",
         f"one more doubling overflows: {_first(f.tensors)} (largest |x| {fmt_num(f.worst_value)} in {f.worst})",
     )
 
 
 def _float8_saturated(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     formats = sorted({r.tensor(n).stats.dtype for n in f.tensors})
-    limits = ", ".join(f"{d} max {fmt.max:g}" for d in formats if (fmt := r.storage_format(d)))
+    limits = ", ".join(f"{d} max {fmt_num(fmt.max)}" for d in formats if (fmt := r.storage_format(d)))
     return (
         f"{f.count} float8 value(s) sit at their format's max ({limits})",
         f"in {_first(f.tensors)} (worst {f.worst}: {f.worst_value or 0.0:.1%} of its values, from "
@@ -153,7 +155,7 @@ def _optimizer_fp16_state(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
 
 
 def _eps_zero(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
-    eps = ", ".join(f"{e:g}" for e in f.eps)
+    eps = ", ".join(f"{fmt_num(e)}" for e in f.eps)
     return (
         f"optimizer eps {eps} is 0 in float16, and its state is float16",
         f"{_where(f.tensors[0] if f.tensors else '')}: sqrt(v) + eps can be 0, and the update divides by it "
@@ -174,7 +176,7 @@ def _scaler(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
             "overflows, and no loss-scale setting fixes it; find the origin with ampdoctor diagnose",
         )
     return (
-        f"GradScaler scale {scale} is far below its {DEFAULT_FP16_SCALE:g} default",
+        f"GradScaler scale {scale} is far below its {fmt_num(DEFAULT_FP16_SCALE)} default",
         f"{where}{tracker}: steps overflowed often, and small gradient values underflow at this scale; ampdoctor "
         "diagnose reports the largest finite scale and the share of gradients lost there",
     )
@@ -197,6 +199,22 @@ def _refused(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
+def _unread_reasons(f: ScanFinding, r: ScanReport) -> str:
+    why = {file.name: file.skipped for file in r.files}
+    return "; ".join(f"{name}: {why.get(name) or 'not read'}" for name in f.tensors)
+
+
+def _unread(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+    return f"{len(f.tensors)} checkpoint file(s) could not be read: this scan is incomplete", (
+        f"{_unread_reasons(f, r)}; the findings cover only the files that were read: finish the download or copy "
+        "(or restore the missing files) and scan again"
+    )
+
+
+def _skipped_unread(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+    return f"{len(f.tensors)} file(s) skipped", f"{_unread_reasons(f, r)}: left out of this scan"
+
+
 def _no_tensors(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     return f"{len(f.tensors)} file(s) hold no tensors", f"{_first(f.tensors)}: left out of this scan"
 
@@ -215,6 +233,8 @@ _WORDS: dict[str, Callable[[ScanFinding, ScanReport], tuple[str, str]]] = {
     "refused_file": _refused,
     "refused_unknown": _refused,
     "no_tensors": _no_tensors,
+    "unread": _unread,
+    "skipped_unread": _skipped_unread,
 }
 
 
@@ -243,16 +263,18 @@ def summary_lines(report: ScanReport) -> list[str]:
     measured = [t for t in report.tensors if t.stats.measured]
     values = sum(t.stats.numel for t in measured)
     lim = report.limits
+    unread = sum(1 for f in report.files if f.unread)
+    not_read = f" ({unread} not read)" if unread else ""
     lines = [
-        f"{report.path}: {len(report.files)} file(s), {len(measured)} floating tensor(s), {values} values; "
+        f"{report.path}: {len(report.files)} file(s){not_read}, {len(measured)} floating tensor(s), {values} values; "
         f"torch {report.torch_version}",
-        f"checked against {report.dtype}: max {lim.max:g}, inf from |x| >= {lim.overflow_threshold:g}, "
+        f"checked against {report.dtype}: max {fmt_num(lim.max)}, inf from |x| >= {fmt_num(lim.overflow_threshold)}, "
         f"zero for 0 < |x| <= {fmt_num(lim.flush_threshold)}",
     ]
     for fmt in report.storage_formats:
         count = sum(1 for t in measured if t.stats.dtype == fmt.dtype)
         inf = "has inf" if fmt.has_inf else "no inf: overflow becomes NaN or is clipped to the max"
-        lines.append(f"{count} tensor(s) stored in {fmt.dtype}: judged against its own max {fmt.max:g} ({inf})")
+        lines.append(f"{count} tensor(s) stored in {fmt.dtype}: judged against its own max {fmt_num(fmt.max)} ({inf})")
     return lines
 
 
@@ -277,7 +299,7 @@ def optimizer_rows(report: ScanReport) -> list[list[str]]:
             _where(o.path),
             str(o.states),
             str(o.param_groups),
-            ", ".join(f"{e:g}" for e in sorted(set(o.eps))) or "-",
+            ", ".join(f"{fmt_num(e)}" for e in sorted(set(o.eps))) or "-",
             ", ".join(o.state_dtypes) or "-",
         ]
         for o in report.optimizers
@@ -397,7 +419,9 @@ def _table(table: Table) -> str:
 
 
 def render_scan_text(report: ScanReport, max_rows: int = 20) -> str:
-    """The verdict line, the findings, the scaler and optimizer state, then per-module and per-tensor tables."""
+    """The verdict line, the findings, the scaler and optimizer state, then per-module and per-tensor tables.
+    Names from the files are shown inert (:func:`~.inert.inert_names`)."""
+    report = inert_names(report)
     lines = [verdict_line(report), *("  " + line for line in summary_lines(report))]
     for severity, title in (("error", "Findings"), ("warning", "Warnings")):
         chosen = [f for f in report.findings if f.severity == severity]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 from .document import Document, Item, Para, Source, Table, build_document, describe_bad, describe_origin, fmt_num
+from .inert import inert
 from .rows import left_out_line
 
 if TYPE_CHECKING:
@@ -16,23 +17,25 @@ __all__ = ["describe_bad", "describe_origin", "fmt_num", "render_text", "text_of
 
 
 def text_of(doc: Document, title: str = "ampdoctor") -> str:
-    """A document as indented plain text: sections separated by a blank line, tables in tabulate's simple style."""
-    lines = [f"{title}: {doc.head}", f"  {doc.facts}", *(f"  {alert}" for alert in doc.alerts)]
+    """A document as indented plain text: sections separated by a blank line, tables in tabulate's simple style.
+    Every string is made :func:`inert` (control characters and line breaks escaped): names may come from files."""
+    lines = [f"{inert(title)}: {inert(doc.head)}", f"  {inert(doc.facts)}", *(f"  {inert(a)}" for a in doc.alerts)]
     for section in doc.sections:
-        lines += ["", section.title]
+        lines += ["", inert(section.title)]
         for block in section.blocks:
             if isinstance(block, Para):
-                lines.append("  " * block.indent + block.text)
+                lines.append("  " * block.indent + inert(block.text))
             elif isinstance(block, Source):
-                lines.append("  " * block.indent + f"{block.text}: {block.code}")
+                lines.append("  " * block.indent + f"{inert(block.text)}: {inert(block.code)}")
             elif isinstance(block, Table):
-                lines.append(tabulate(block.rows, headers=block.headers, tablefmt="simple"))
+                rows = [[inert(str(c)) for c in row] for row in block.rows]
+                lines.append(tabulate(rows, headers=[inert(h) for h in block.headers], tablefmt="simple"))
                 if block.left_out:
                     lines.append("  " + left_out_line(block.left_out, len(block.rows)))
             elif isinstance(block, Item):
-                lines.append(f"  {block.number}. {block.title}" + (" [verified]" if block.verified else ""))
-                lines += ["       " + d for d in block.details]
-                lines += ["       " + line for line in block.snippet.splitlines()]
+                lines.append(f"  {block.number}. {inert(block.title)}" + (" [verified]" if block.verified else ""))
+                lines += ["       " + inert(d) for d in block.details]
+                lines += ["       " + inert(line) for line in block.snippet.splitlines()]
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..records import StepRecord
 from .bundle import Failure, PathLike, write_bundle
+from .bundle_format import DEFAULT_BUNDLE_DIR
 from .readback import MicroBatch
 from .replay_step import Capture, StepReplayer, capture, with_capture
 from .runs import PERSISTENT, CaptureKind, Run, RunTracker
@@ -54,7 +55,7 @@ class FailureTracker:
     root: nn.Module
     max_captures: int  # per kind of capture
     save_bundle: bool
-    bundle_dir: Optional[PathLike]  # None: the current directory
+    bundle_dir: Optional[PathLike]  # None: DEFAULT_BUNDLE_DIR in the current directory
     rank: int
     world_size: int
     scaler: Any  # its state goes into the bundle
@@ -141,7 +142,7 @@ class FailureTracker:
             device_type=replayer.device_type, steps=(*history, record),
             capture=captured.report if captured is not None else None,
         )
-        directory = self.bundle_dir if self.bundle_dir is not None else Path.cwd()
+        directory = self.bundle_dir if self.bundle_dir is not None else Path.cwd() / DEFAULT_BUNDLE_DIR
         try:
             scaler_state = self.scaler.state_dict() if self.scaler is not None else {}
             self.bundle_path = write_bundle(directory, failure, self.root, m, scaler_state)

@@ -91,6 +91,7 @@ def _replay(
         root, batch, loss_fn=replay_loss, dtype=low_dtype(str(data.get("dtype"))), device_type=target.type,
         scale=max(scale, MIN_REPLAY_SCALE), backward=backward if backward is not None else loss_fn is not None,
     )
+    report = dataclasses.replace(report, run=dataclasses.replace(report.run, scale_source=_scale_source(data, scale)))
     records = json.loads(data.get("records") or "{}")
     steps = [from_plain(StepRecord, s) for s in records.get("steps", [])]
     where = f"step {data.get('step')}" + (f", rank {data.get('rank')}" if int(data.get("world_size", 1)) > 1 else "")
@@ -112,3 +113,11 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, tuple):
         return tuple(_to_device(v, device) for v in obj)
     return obj
+
+
+def _scale_source(data: dict[str, Any], scale: float) -> str:
+    """Where the replay's loss scale came from, truthfully (replay passes it to diagnose as ``scale=``)."""
+    if not data.get("scale"):
+        return "none in the bundle: 1"
+    source = "the failing step's GradScaler scale, from the bundle"
+    return source + (f", raised to {MIN_REPLAY_SCALE:g}" if scale < MIN_REPLAY_SCALE else "")

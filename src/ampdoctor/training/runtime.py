@@ -450,7 +450,7 @@ def watch(*args: Any, **kwargs: Any) -> Watch:
         history: steps kept in the ring buffer.
         max_captures: full captures (a ``diagnose`` of the failing inputs) for runs of skipped steps, and as
             many again for persistent failures.
-        bundle_dir: where the failure bundle goes (default: the current directory), named
+        bundle_dir: where the failure bundle goes (default: ``ampdoctor-bundles/`` in the current directory), named
             ``ampdoctor-bundle-step<N>.pt`` (``-rank<R>`` added in a distributed run; ``-1``, ``-2`` ... rather
             than write over a file).
         save_bundle: write a failure bundle on the first persistent failure.
