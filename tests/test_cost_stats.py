@@ -96,3 +96,45 @@ def test_fingerprints_move_with_any_single_change_and_not_otherwise() -> None:
         after = fingerprints(_fingerprinted(change=i))
         assert after[i] != before[i]
         assert after[:i] + after[i + 1 :] == before[:i] + before[i + 1 :]
+
+
+def test_fingerprints_of_many_small_tensors_together_name_the_one_changed() -> None:
+    # 300 small parameters (the batched path: one concatenation, segmented sums) and one over 64 KiB (alone).
+    torch.manual_seed(3)
+    tensors = [torch.randn(4, 4) for _ in range(150)] + [torch.randn(3).half() for _ in range(150)]
+    tensors.append(torch.randn(20000))
+    before = fingerprints(tensors)
+    assert len(set(before)) == len(tensors)
+    for i in (0, 149, 150, 299, 300):
+        flat = tensors[i].view(-1)
+        old = flat[1].clone()
+        flat[1] += 1
+        after = fingerprints(tensors)
+        assert [j for j in range(len(tensors)) if after[j] != before[j]] == [i]
+        flat[1] = old
+        assert fingerprints(tensors) == before
+
+
+def test_survey_parameter_statistics_measured_together_equal_each_alone() -> None:
+    from torch import nn
+
+    from ampdoctor.capture.passes import PassSpec, capture_params
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(300, 300), nn.Linear(3, 2))
+    model[1].weight = model[0].weight  # tied: one parameter, two owners
+    model[2].weight.data[0, 0] = float("inf")  # 90,000 elements: measured alone
+    model[3].weight.data = model[3].weight.data.double()
+    model[3].bias.data = torch.tensor([0.0, -3.5], dtype=torch.bfloat16)
+    with torch.no_grad():
+        model[0].bias[1] = 0.0
+    spec = PassSpec(model, {id(m): n for n, m in model.named_modules()}, list(model.named_parameters()), None,
+                    None, "cpu", torch.float16, False)
+    infos = capture_params(spec, list(model.named_modules()), detailed=False)
+    params = dict(model.named_parameters())
+    seen = [(info.name, p.name, p.stats) for info in infos for p in info.params]
+    assert [(m, n) for m, n, _ in seen] == [("0", "0.weight"), ("0", "0.bias"), ("1", "0.weight"), ("1", "1.bias"),
+                                            ("2", "2.weight"), ("2", "2.bias"), ("3", "3.weight"), ("3", "3.bias")]
+    for _, name, stats in seen:
+        assert stats == tensor_stats(params[name], torch.float16, detailed=False), name
+    assert seen[1][2].zero_count == 1 and seen[4][2].max == INF and seen[7][2].min == -3.5

@@ -15,6 +15,7 @@ scale are visible only against a float32 backward, which the caller may allow (`
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -251,10 +252,7 @@ class LossPrediction:
 
 
 def _prefix(counts: Sequence[float]) -> list[float]:
-    out = [0.0]
-    for count in counts:
-        out.append(out[-1] + count)
-    return out
+    return list(itertools.accumulate(counts, initial=0.0))
 
 
 def measure_window(

@@ -446,10 +446,18 @@ def capture_params(spec: PassSpec, modules: list[tuple[str, nn.Module]], detaile
     zeros, or every detailed statistic."""
     collector = StatsCollector(spec.dtype, detailed=detailed)
     canonical = {id(p): name for name, p in spec.params}
+    owned = [(name, module, list(module.named_parameters(recurse=False))) for name, module in modules]
+    slots: dict[int, int] = {}
+    if not detailed:  # survey level: small parameters measured together, per device (a few ops, not a few each)
+        unique = list({id(p): p for _, _, own in owned for _, p in own}.values())
+        for device in {p.device for p in unique}:
+            same: list[torch.Tensor] = [p for p in unique if p.device == device]
+            slots.update((id(p), slot) for p, (slot, _) in zip(same, collector.add_many(same, False)))
     layout = []
-    for name, module in modules:
-        own = [(canonical.get(id(p), f"{name}.{local}"), p) for local, p in module.named_parameters(recurse=False)]
-        layout.append((name, type(module).__name__, [(pname, collector.add(p), p.requires_grad) for pname, p in own]))
+    for name, module, own in owned:
+        params = [(canonical.get(id(p), f"{name}.{local}"), p) for local, p in own]
+        layout.append((name, type(module).__name__, [(pname, slots[id(p)] if id(p) in slots else collector.add(p),
+                                                      p.requires_grad) for pname, p in params]))
     stats = collector.read()
     return [
         ModuleInfo(name, class_name, tuple(ParamRecord(pname, stats[slot], rg) for pname, slot, rg in params))

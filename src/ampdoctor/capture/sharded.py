@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -44,22 +45,21 @@ FSDP2_NOTE = (
 )
 
 
+def _loaded_type(module: str, name: str) -> Optional[type]:
+    """``module.name`` when ``module`` is already imported, else None. A model can only hold an instance of a class
+    whose module is loaded, so asking costs nothing: importing ``torch.distributed.tensor`` just to find no DTensor
+    would take about 3 s and 80 MB on the first call in a process (it pulls in sympy and the fx machinery)."""
+    loaded = sys.modules.get(module)
+    found = getattr(loaded, name, None) if loaded is not None else None
+    return found if isinstance(found, type) else None
+
+
 def _fsdp_module_type() -> Optional[type]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return None
-    found: type = FSDPModule
-    return found
+    return _loaded_type("torch.distributed.fsdp", "FSDPModule")
 
 
 def _dtensor_type() -> Optional[type]:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    found: type = DTensor
-    return found
+    return _loaded_type("torch.distributed.tensor", "DTensor")
 
 
 @dataclass(frozen=True)

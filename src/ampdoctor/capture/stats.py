@@ -11,7 +11,6 @@ level reads a tensor in chunks of :data:`CHUNK` elements, so its temporaries sta
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 import weakref
@@ -23,6 +22,7 @@ import torch
 from ..records import FormatLimits, TensorStats
 from ..thresholds import HIST_HIGH, HIST_LOW
 from .dtypes import dtype_name
+from .reductions import behind_nan, segment_extremes
 
 # Statistic names in the order records list them. The survey level takes one fused min/max and a zero count.
 SURVEY_FIELDS = ("min", "max", "zero_count")
@@ -265,19 +265,20 @@ class StatsCollector:
         """Survey-level slots (zeros counted) of many tensors that need no gradient, and their binade histograms
         (-1 when not asked); the small ones computed together over their concatenation (``_batch``)."""
         batchable = [t for t in tensors if t.dtype in _BATCHABLE and 0 < t.numel() <= BATCH_EACH]
-        if not histograms or len(batchable) < 2:
+        if len(batchable) < 2:
             return [
                 (self._measure(t.detach(), 1), self.add_histogram(t) if histograms and _histogrammable(t) else -1)
                 for t in tensors
             ]
         batchable.sort(key=lambda t: t.numel())  # equal sizes side by side: one reduction per size
-        measured = self._batch(batchable)
+        measured = self._batch(batchable, histograms)
         values = self._hist_values.setdefault(batchable[0].device, [])
         out = []
         for t in tensors:
             found = measured.get(id(t))
             if found is None:
-                out.append((self._measure(t.detach(), 1), self.add_histogram(t) if _histogrammable(t) else -1))
+                hist = self.add_histogram(t) if histograms and _histogrammable(t) else -1
+                out.append((self._measure(t.detach(), 1), hist))
                 continue
             low, high, nonzero, hist, nansum = found
             survey = self._survey.setdefault(t.device, ([], [], [], []))
@@ -287,21 +288,28 @@ class StatsCollector:
             survey[3].append(nansum)
             index, zindex = len(survey[0]) - 1, len(survey[2]) - 1
             self._slots.append((dtype_name(t.dtype), tuple(t.shape), t.device, index, 1, zindex))
+            if hist is None:
+                out.append((len(self._slots) - 1, -1))
+                continue
             values.append(hist)
             self._hists.append((t.device, len(values) - 1))
             out.append((len(self._slots) - 1, len(self._hists) - 1))
         return out
 
     @staticmethod
-    def _batch(tensors: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, ...]]:
-        """By ``id``: (min, max, nonzero count, histogram) of small same-device tensors sorted by size, from their
-        concatenation (float32): per run of equal sizes one amin, amax and count_nonzero, and one bincount of
-        the float32 sign-and-exponent fields for all."""
+    def _batch(tensors: list[torch.Tensor], histograms: bool = True) -> dict[int, tuple[Any, ...]]:
+        """By ``id``: (min, max, nonzero count, histogram or None, NaN-ignoring sum) of small same-device tensors
+        sorted by size, from their concatenation (float32): per run of equal sizes one amin, amax, nansum and
+        count_nonzero, and one bincount of the float32 sign-and-exponent fields for all (when ``histograms``)."""
         with torch.no_grad():
             flat = torch.cat([t.reshape(-1) for t in tensors])  # promotes to float32 when mixed
             if flat.dtype != torch.float32:
                 flat = flat.float()
             lengths = tuple(t.numel() for t in tensors)
+            if not histograms:
+                mins, maxs, runs, sums = segment_extremes(flat, lengths)
+                each = torch.cat(runs).unbind(0)
+                return {id(t): (mins[i], maxs[i], each[i], None, sums[i]) for i, t in enumerate(tensors)}
             # bits >> 23 is the sign-and-exponent field, sign-extended: -256..255; each tensor gets 512 bins.
             offsets, sizes = _offsets(lengths, flat.device)
             total = torch.bincount((flat.view(torch.int32) >> 23) + offsets, minlength=512 * len(tensors))
@@ -309,20 +317,8 @@ class StatsCollector:
             low, high = HIST_LOW + _FP32_BIAS, HIST_HIGH + _FP32_BIAS
             below = total[:, 1:low].sum(1, keepdim=True)  # exponent 0: zeros and float32 subnormals, see below
             hists = torch.cat((below, total[:, low:high], total[:, high:255].sum(1, keepdim=True)), 1)
-            mins: list[torch.Tensor] = []
-            maxs: list[torch.Tensor] = []
-            nonzero: list[torch.Tensor] = []
-            sums: list[torch.Tensor] = []
-            start = 0
-            for size, run in itertools.groupby(lengths):
-                count = len(list(run))
-                block = flat[start : start + size * count].view(count, size)
-                mins += block.amin(dim=1).unbind(0)  # (aminmax along a dimension is far slower here)
-                maxs += block.amax(dim=1).unbind(0)
-                sums += block.nansum(dim=1).unbind(0)
-                nonzero.append(torch.count_nonzero(block, dim=1))
-                start += size * count
-            counts = torch.cat(nonzero)
+            mins, maxs, runs, sums = segment_extremes(flat, lengths)
+            counts = torch.cat(runs)
             # Nonzero values with exponent 0 are float32 subnormals: below every binade kept.
             hists[:, 0] += total[:, 0] - (sizes - counts)
             rows = hists.unbind(0)
@@ -401,7 +397,7 @@ class StatsCollector:
             else:
                 low, high = data["min"][index], data["max"][index]
                 if high != high or low != low:  # NaN: an inf behind it shows in the NaN-ignoring sum
-                    low, high = _behind_nan(low, high, data["nansum"][index])
+                    low, high = behind_nan(low, high, data["nansum"][index])
                 if level == 1:
                     nonzero = data["zero_count"][zindex]
                     append(TensorStats(name, shape, low, high, math.prod(shape) - int(nonzero)))
@@ -424,18 +420,6 @@ class StatsCollector:
 _BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _OFFSETS: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _behind_nan(low: float, high: float, nansum: float) -> tuple[float, float]:
-    """Survey-level min and max of a tensor holding NaN: NaN stays in one of them (the tensor is not finite), and
-    the other says which inf the tensor also holds, if any: a NaN-ignoring sum of +inf (or NaN: +inf and -inf
-    together) means +inf is there, -inf means -inf. (A float32 sum of finite values could overflow only for
-    values within a factor ``numel`` of float32's maximum: itself an overflow.)"""
-    if nansum == math.inf or nansum != nansum:
-        return math.nan, math.inf
-    if nansum == -math.inf:
-        return -math.inf, math.nan
-    return math.nan, math.nan
 
 
 def _histogrammable(t: torch.Tensor) -> bool:

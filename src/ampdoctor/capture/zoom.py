@@ -116,6 +116,13 @@ class _Zoom(TorchDispatchMode):
         self._done = False  # resolved: later ops (and the zoom's own reads) pass through
         self._entered = False
 
+    # torch wraps a dispatch mode's ``__torch_dispatch__`` in ``torch._disable_dynamo`` when the class is made, and
+    # that wrapper imports torch._dynamo on its first call (about 2 s and 80 MB, the whole cost of a first
+    # diagnosis). Only when dynamo is already loaded can anything be compiling: the wrap is done then, on entry.
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if self._done or measuring():
@@ -189,6 +196,11 @@ class _Zoom(TorchDispatchMode):
 
     @uninterrupted
     def __enter__(self) -> _Zoom:
+        if "torch._dynamo" in sys.modules and "__wrapped_dynamo__" not in _Zoom.__dict__:
+            _Zoom.__torch_dispatch__ = torch._disable_dynamo(  # type: ignore[method-assign]
+                _Zoom.__dict__["__torch_dispatch__"], recursive=True
+            )
+            _Zoom.__wrapped_dynamo__ = True  # type: ignore[attr-defined]
         if not self._entered:
             super().__enter__()
             self._entered = True

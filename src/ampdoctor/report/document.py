@@ -136,6 +136,7 @@ class Source:
 class Table:
     headers: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
+    left_out: int = 0  # rows past the bound (the k most relevant are shown; the JSON has all)
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,8 @@ def _origin_section(origin: Origin, scale: float) -> Section:
     return Section(lines[0], tuple(blocks), kind="origin")
 
 
-def _table(headers: tuple[str, ...], rows: list[list[object]]) -> Table:
-    return Table(headers, tuple(tuple(str(v) for v in row) for row in rows))
+def _table(headers: tuple[str, ...], rows: list[list[object]], total: int = 0) -> Table:
+    return Table(headers, tuple(tuple(str(v) for v in row) for row in rows), max(0, total - len(rows)))
 
 
 DIVERGENCE_TITLE = "Divergence (not harmless: GradScaler backing off does not stop it)"
@@ -280,7 +281,8 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
             [c.label, c.path, fmt_num(c.relative_error), fmt_num(c.sqnr_db), c.underflow_count, c.reference_nonzero]
             for c in sorted(prec.comparisons, key=lambda c: -c.relative_error)[:max_rows]
         ]
-        body.append(_table(("call", "tensor", "rel. error", "SQNR dB", "underflowed", "fp32 nonzero"), rows))
+        body.append(_table(("call", "tensor", "rel. error", "SQNR dB", "underflowed", "fp32 nonzero"), rows,
+                           len(prec.comparisons)))
         sections.append(Section("Against a float32 re-run of each call", tuple(body)))
     if f.underflow is not None:
         u = f.underflow
@@ -292,14 +294,14 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
         ]
         rows = [[s.module or "<root>", s.lost, s.reference_nonzero, f"{s.share:.1%}"] for s in u.spots[:max_rows]]
         if rows:
-            body.append(_table(("module", "lost", "ref nonzero", "share"), rows))
+            body.append(_table(("module", "lost", "ref nonzero", "share"), rows, len(u.spots)))
         sections.append(Section("Gradient underflow", tuple(body)))
     if f.near_limit:
         rows = [[n.label, n.tensor, fmt_num(n.abs_max), f"{n.headroom_bits:.2f}"] for n in f.near_limit[:max_rows]]
         sections.append(
             Section(
                 f"Near the {run.limits.dtype} max (< 1 bit of headroom)",
-                (_table(("call", "tensor", "|x|max", "headroom bits"), rows),),
+                (_table(("call", "tensor", "|x|max", "headroom bits"), rows, len(f.near_limit)),),
             )
         )
     if f.not_captured:
@@ -322,12 +324,14 @@ def build_document(report: Report, max_rows: int = 20) -> Document:
     if steps:
         sections.append(Section("Training steps", tuple(steps)))
     if report.trace.calls:
+        ranked = ReportRows.of(report).by_headroom()
         table = _table(
             ("call", "class", "tensor", "dtype", "|x|max", "headroom bits"),
             [
                 [r.label, r.class_name, r.tensor, r.stats.dtype, fmt_num(r.stats.abs_max), bits_text(r.headroom_bits)]
-                for r in ReportRows.of(report).by_headroom()[:max_rows]
+                for r in ranked[:max_rows]
             ],
+            len(ranked),
         )
         sections.append(Section("Layers by headroom", (table,)))
     notes = [n for n in (run.autocast_note, *run.notes) if n]
@@ -392,5 +396,5 @@ def _steps(report: Report, max_rows: int) -> list[Block]:
     ]
     if rows:
         headers = ("skipped step", "rank", "scale", "run", "forward", "forward origin", "backward origin")
-        body.append(_table(headers, rows))
+        body.append(_table(headers, rows, len(skipped)))
     return body

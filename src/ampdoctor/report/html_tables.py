@@ -5,6 +5,8 @@ Every row comes from :mod:`.rows` (the per-call row model the other renderers re
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 from .document import fmt_num
 from .html_parts import _code, _e, _legend, _nonfinite, _shape, _td
-from .rows import CallRow, ReportRows, TensorRow, bits_text
+from .rows import LEVEL_RANK, CallRow, ReportRows, TensorRow, bits_text, left_out_line
 
 if TYPE_CHECKING:
     from .report import Report
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
 FULL_TABLE_ROWS = 60
 # ... when the run is at least this long.
 COLLAPSE_MIN_RUN = 3
+# A table shows at most this many remarkable rows (the origin first, then the least headroom); the others fold
+# into the runs around them, a line says how many were left out, and the JSON report has every row.
+MAX_SHOWN_ROWS = 50
 
 
 @dataclass(frozen=True)
@@ -35,17 +40,54 @@ class Row:
     bits: Optional[float] = None
 
 
+def _bound(rows: Sequence[Row]) -> tuple[list[Row], int]:
+    """The rows with all but the :data:`MAX_SHOWN_ROWS` most relevant remarkable ones marked ``hidden`` (origin
+    rows first, then by colour level and headroom), and how many were hidden."""
+    remarkable = [i for i, r in enumerate(rows) if not r.foldable]
+    if len(remarkable) <= MAX_SHOWN_ROWS:
+        return list(rows), 0
+    ranked = sorted(
+        remarkable,
+        key=lambda i: (not rows[i].origin, LEVEL_RANK.get(rows[i].level, len(LEVEL_RANK)),  # type: ignore[call-overload]
+                       rows[i].bits if rows[i].bits is not None else math.inf, i),
+    )
+    keep = set(ranked[:MAX_SHOWN_ROWS])
+    bounded = [r if r.foldable or i in keep else dataclasses.replace(r, foldable="hidden") for i, r in enumerate(rows)]
+    return bounded, len(remarkable) - MAX_SHOWN_ROWS
+
+
+def _hidden_run(run: Sequence[Row], columns: int, noun: str) -> str:
+    """One summary row for consecutive rows not shown: hidden remarkable ones and the runs of fine or carried
+    ones between them."""
+    kinds = {"hidden": 0, "fine": 0, "carried": 0, "skipped": 0}
+    for r in run:
+        kinds[r.foldable] += 1
+    named = (("healthy", "fine"), ("carrying non-finite values", "carried"), ("skipped", "skipped"))
+    parts = [f"{kinds['hidden']} left out"] + [f"{kinds[kind]} {what}" for what, kind in named if kinds[kind]]
+    css = "nonfinite" if any(r.level == "nonfinite" for r in run) else "fine"
+    return (
+        f'<tr class="ad-run ad-{css}"><td colspan="{columns}">⋯ {len(run)} {_e(noun)} not shown '
+        f"({_e(', '.join(parts))}): {_code(run[0].label)} … {_code(run[-1].label)}</td></tr>"
+    )
+
+
 def _fold(rows: Sequence[Row], columns: int, noun: str) -> str:
-    """Rows as ``<tr>``s; in a long table, runs of fine (or carried non-finite) rows become one summary row."""
+    """Rows as ``<tr>``s; in a long table, runs of fine (or carried non-finite) rows become one summary row, and
+    rows past the bound (``hidden``) fold with the runs around them."""
     out: list[str] = []
     fold = len(rows) > FULL_TABLE_ROWS
+    bounded = fold and any(r.foldable == "hidden" for r in rows)  # then every run of unshown rows is one row
     i = 0
     while i < len(rows):
         row = rows[i]
         j = i + 1
         if fold and row.foldable:
-            while j < len(rows) and rows[j].foldable == row.foldable:
+            while j < len(rows) and (rows[j].foldable == row.foldable or (bounded and rows[j].foldable)):
                 j += 1
+        if bounded and any(r.foldable == "hidden" for r in rows[i:j]):
+            out.append(_hidden_run(rows[i:j], columns, noun))
+            i = j
+            continue
         if j - i >= COLLAPSE_MIN_RUN:
             run = rows[i:j]
             if row.foldable == "fine":
@@ -187,7 +229,11 @@ def backward_rows(report: Report) -> list[Row]:
 
 def _table(head: Sequence[str], rows: Sequence[Row], noun: str) -> str:
     header = "".join(f"<th>{_e(h)}</th>" for h in head)
-    return f'<table class="ad-calls"><tr>{header}</tr>{_fold(rows, len(head), noun)}</table>'
+    bounded, hidden = _bound(rows) if len(rows) > FULL_TABLE_ROWS else (list(rows), 0)
+    table = f'<table class="ad-calls"><tr>{header}</tr>{_fold(bounded, len(head), noun)}</table>'
+    if hidden:
+        table += f'<p class="ad-muted">{_e(left_out_line(hidden, MAX_SHOWN_ROWS))}</p>'
+    return table
 
 
 def _counts(rows: Sequence[Row]) -> str:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from .document import Document, Item, Para, Source, Table, build_document
 from .inert import inert
+from .rows import left_out_line
 
 if TYPE_CHECKING:
     from .report import Report
@@ -32,7 +33,10 @@ def _table(table: Table) -> list[str]:
     def row(cells: tuple[str, ...]) -> str:
         return "| " + " | ".join(md_escape(c) for c in cells) + " |"
 
-    return [row(table.headers), "|" + "|".join(" --- " for _ in table.headers) + "|", *(row(r) for r in table.rows)]
+    lines = [row(table.headers), "|" + "|".join(" --- " for _ in table.headers) + "|", *(row(r) for r in table.rows)]
+    if table.left_out:
+        lines += ["", md_escape(left_out_line(table.left_out, len(table.rows)))]
+    return lines
 
 
 def markdown_of(doc: Document, title: str = "ampdoctor") -> str:

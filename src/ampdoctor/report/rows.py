@@ -11,6 +11,7 @@ a tensor holding inf/NaN is ``nonfinite`` whatever its dtype.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -58,6 +59,13 @@ def tensor_level(stats: TensorStats, limits: FormatLimits, scale: float = 1.0) -
     if bits < HEADROOM_TIGHT_BITS:
         return "tight"
     return "fine"
+
+
+def left_out_line(left_out: int, shown: int) -> str:
+    """The line under a bounded table: how many rows it leaves out, and where they all are."""
+    rows = "row" if left_out == 1 else "rows"
+    return (f"… {left_out} more {rows} left out (the {shown} most relevant are shown); the JSON report "
+            "(report.to_json()) has every row")
 
 
 def bits_text(bits: Optional[float], measured: bool = True) -> str:
@@ -182,6 +190,20 @@ class ReportRows:
 
     @classmethod
     def of(cls, report: Report) -> ReportRows:
+        """The rows of ``report``, built once: every renderer of the same report object shares them (the last
+        report's rows are kept, by identity, while that report lives)."""
+        cached = _LAST.get("rows")
+        if cached is not None and cached[0]() is report:
+            return cached[1]
+        rows = cls._build(report)
+        try:
+            _LAST["rows"] = (weakref.ref(report), rows)
+        except TypeError:
+            pass
+        return rows
+
+    @classmethod
+    def _build(cls, report: Report) -> ReportRows:
         trace, limits = report.trace, report.run.limits
         return cls(
             calls=tuple(_call_rows(report)),
@@ -206,6 +228,9 @@ class ReportRows:
                 for p in info.params
             ),
         )
+
+
+_LAST: dict[str, tuple[weakref.ref[Any], ReportRows]] = {}
 
 
 def _call_rows(report: Report) -> list[CallRow]:

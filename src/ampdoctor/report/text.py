@@ -8,6 +8,7 @@ from tabulate import tabulate
 
 from .document import Document, Item, Para, Source, Table, build_document, describe_bad, describe_origin, fmt_num
 from .inert import inert
+from .rows import left_out_line
 
 if TYPE_CHECKING:
     from .report import Report
@@ -29,6 +30,8 @@ def text_of(doc: Document, title: str = "ampdoctor") -> str:
             elif isinstance(block, Table):
                 rows = [[inert(str(c)) for c in row] for row in block.rows]
                 lines.append(tabulate(rows, headers=[inert(h) for h in block.headers], tablefmt="simple"))
+                if block.left_out:
+                    lines.append("  " + left_out_line(block.left_out, len(block.rows)))
             elif isinstance(block, Item):
                 lines.append(f"  {block.number}. {inert(block.title)}" + (" [verified]" if block.verified else ""))
                 lines += ["       " + inert(d) for d in block.details]

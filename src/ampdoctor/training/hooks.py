@@ -52,6 +52,7 @@ class WatchHooks:
         self.tracked: list[str] = []  # modules hooked on unsampled steps (the forecast's watchlist)
         self.tracked_handles: list[Any] = []
         self.count_underflow = False  # sampled steps: count small gradient values too (a sink wants the share)
+        self._receivers: dict[tuple[str, bool], _GradReceiver] = {}
 
     # -- installing -----------------------------------------------------------------------------------------
     @uninterrupted
@@ -219,31 +220,52 @@ class WatchHooks:
             name = w.names.get(id(module), "")
             if not name:
                 return  # the root: recorded by root_post
-            tensors: Any = ((None, output),) if isinstance(output, torch.Tensor) else iter_tensors(output, "out")
-            for _, t in tensors:
-                if not t.is_floating_point() or t.numel() == 0:
-                    continue
-                w.cur.collector.pair("out", name, t.detach(), t.dtype == w.low)
-                if t.requires_grad and self.grads_on:
-                    self.grad_hook(t, name)
+            if type(output) is torch.Tensor:  # the common case, without walking
+                self._module_tensor(name, output)
+            else:
+                for _, t in iter_tensors(output, "out"):
+                    self._module_tensor(name, t)
         except Exception as exc:
             w.fail(exc)
 
+    def _module_tensor(self, name: str, t: torch.Tensor) -> None:
+        if not t.is_floating_point() or t.numel() == 0:
+            return
+        w = self.w
+        w.cur.collector.pair("out", name, t.detach(), t.dtype == w.low)
+        if t.requires_grad and self.grads_on:
+            self.grad_hook(t, name)
+
     @uninterrupted
     def grad_hook(self, t: torch.Tensor, name: str) -> None:
-        w = self.w
-        low = t.dtype == w.low
-        step = w.cur
+        """A gradient hook on ``t`` whose (lo, hi) goes to the current step. The receiver of each (module, dtype) is
+        made once and reused every step (no closure per tensor per step); the step's handles are removed when the
+        step closes, so a receiver never sees a closed step's gradients."""
+        key = (name, t.dtype == self.w.low)
+        receive = self._receivers.get(key)
+        if receive is None:
+            receive = self._receivers[key] = _GradReceiver(self, *key)
+        handle = t.register_hook(receive) if t._base is None else register_grad_hook(t, receive)[0]
+        self.w.cur.tensor_handles.append(handle)
 
-        def receive(g: torch.Tensor) -> None:
-            if step is not w.cur:  # a late backward of a closed step
-                return
-            try:
-                if g.numel():
-                    step.collector.pair("grad", name, g.detach(), low)
-                    if low and self.count_underflow:
-                        step.collector.underflow(g.detach())
-            except Exception as exc:
-                w.fail(exc)
 
-        step.tensor_handles.append(register_grad_hook(t, receive)[0])
+class _GradReceiver:
+    """Records the (lo, hi) of one module's output gradients in the watch's current step."""
+
+    __slots__ = ("hooks", "w", "name", "low")
+
+    def __init__(self, hooks: WatchHooks, name: str, low: bool) -> None:
+        self.hooks = hooks
+        self.w = hooks.w
+        self.name = name
+        self.low = low
+
+    def __call__(self, g: torch.Tensor) -> None:
+        try:
+            if g.numel():
+                collector = self.w.cur.collector
+                collector.pair("grad", self.name, g.detach(), self.low)
+                if self.low and self.hooks.count_underflow:  # sampled steps: a sink wants the underflow share
+                    collector.underflow(g.detach())
+        except Exception as exc:
+            self.w.fail(exc)

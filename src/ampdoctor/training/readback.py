@@ -80,7 +80,13 @@ class Collector:
 
     def __init__(self) -> None:
         self.values: list[torch.Tensor] = []  # 0-d, or 1-D blocks (each spans block.numel() numbers)
-        self.layout: list[tuple[int, PairKind, str, bool]] = []  # (index of lo, kind, module, low dtype)
+        # Per pair, in parallel lists: index of lo, kind, module, low dtype. Flat lists of ints, strings and bools
+        # make no object the garbage collector tracks: with statistics every step, a tuple per tensor made
+        # collections of the whole heap a measurable share of the step.
+        self._at: list[int] = []
+        self._kinds: list[PairKind] = []
+        self._modules: list[str] = []
+        self._lows: list[bool] = []
         self.size = 0  # numbers in all values
         self.small: list[tuple[int, int]] = []  # (index of [zeros, below tiny], numel) of low-precision gradients
 
@@ -93,9 +99,15 @@ class Collector:
 
     def pair(self, kind: PairKind, module: str, t: torch.Tensor, low: bool) -> int:
         lo, hi = torch.aminmax(t)  # one pass; NaN and inf show up in the result
-        index = self.add(lo)
-        self.add(hi)
-        self.layout.append((index, kind, module, low))
+        values = self.values
+        values.append(lo)
+        values.append(hi)
+        index = self.size
+        self.size = index + 2
+        self._at.append(index)
+        self._kinds.append(kind)
+        self._modules.append(module)
+        self._lows.append(low)
         return index
 
     def underflow(self, g: torch.Tensor) -> None:
@@ -112,7 +124,10 @@ class Collector:
         return sum(numbers[i + 1] - numbers[i] for i, _ in self.small) / nonzero
 
     def pairs(self, numbers: list[float]) -> list[Pair]:
-        return [(kind, module, numbers[i], numbers[i + 1], low) for i, kind, module, low in self.layout]
+        return [
+            (kind, module, numbers[i], numbers[i + 1], low)
+            for i, kind, module, low in zip(self._at, self._kinds, self._modules, self._lows)
+        ]
 
     def read(self) -> list[float]:
         """Every number as a Python float: one ``stack`` of the 0-d values (mixed float16/bfloat16/float32 promote

@@ -1,0 +1,345 @@
+"""Cost per module (issue 22), in one run, as ratios to a plain float16 AMP step measured in the same run.
+
+* **10,000-module model** (5,000 ``Linear(4, 4)`` + ``ReLU``, batch 16): ``diagnose`` time in plain steps, its
+  peak memory increment against a plain step's (fresh subprocess per mode, as ``overhead.py`` measures it), and
+  the size of the HTML report (and of the text and JSON reports, for comparison);
+* **watch** on the 50- and 200-layer narrow MLPs (``Linear(64, 64)`` + ``ReLU``, batch 64, AdamW): statistics every
+  step and defaults, against the same loop without it (``watch_overhead.measure``: interleaved blocks, process CPU
+  time, best block);
+* **healthy encoder**: ``diagnose`` of ``overhead.py``'s BERT-style classifier in plain steps (the default passes,
+  hidden-overflow detection included when the survey has it);
+* **first call**: the first ``diagnose`` in a fresh process against the second, on a small model (wall clock:
+  imports are what differs).
+
+Times are process CPU time (other processes on a shared machine do not count) unless said otherwise; every ratio
+is a median over ``--repeats`` rounds with plain and measured modes interleaved.
+
+    python benchmarks/cost_per_module.py            # everything (several minutes on a 2-core CPU)
+    python benchmarks/cost_per_module.py --quick    # smoke run: fewer repeats, smaller encoder batch
+    python benchmarks/cost_per_module.py --parts tenk,first
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DTYPE = torch.float16
+SCALE = 2.0**16
+GATES = {"tenk_time": 3.0, "tenk_memory": 1.25, "tenk_html_bytes": 1 << 20, "watch_every": 1.10, "watch": 1.03,
+         "encoder": 1.5, "first_extra_s": 0.5}
+PARTS = ("tenk", "watch", "encoder", "first")
+
+
+def tenk_model(pairs: int = 5000, batch: int = 16) -> tuple[nn.Module, torch.Tensor, Callable[[Any, Any], Any]]:
+    """``pairs`` x (Linear(4, 4) + ReLU): near-identity weights and positive inputs keep 5,000 layers finite and
+    alive (the ReLUs pass almost everything), so the diagnosis is the healthy one."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(pairs):
+        linear = nn.Linear(4, 4)
+        with torch.no_grad():
+            linear.weight.copy_(torch.eye(4) + 0.01 * torch.randn(4, 4))
+            linear.bias.zero_()
+        layers += [linear, nn.ReLU()]
+    model = nn.Sequential(*layers).train()
+    x = torch.rand(batch, 4) + 0.5
+    targets = torch.randint(0, 4, (batch,))
+
+    def loss_fn(out: torch.Tensor, _batch: Any) -> torch.Tensor:
+        return F.cross_entropy(out.float(), targets)
+
+    return model, x, loss_fn
+
+
+def small_model() -> tuple[nn.Module, torch.Tensor, Callable[[Any, Any], Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    targets = torch.randint(0, 4, (8,))
+    return model, x, lambda out, _b: F.cross_entropy(out.float(), targets)
+
+
+def plain_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=DTYPE):
+        loss = loss_fn(model(batch), batch)
+    (loss * SCALE).backward()
+
+
+def _clocked(fn: Callable[[], Any], clock: Callable[[], float] = time.process_time) -> tuple[float, Any]:
+    start = clock()
+    result = fn()
+    return clock() - start, result
+
+
+def _median_ratio(pairs: list[tuple[float, float]]) -> float:
+    """Median over rounds of (measured / plain of the same round)."""
+    return statistics.median(m / p for p, m in pairs)
+
+
+# -- 10,000 modules ---------------------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> Optional[int]:
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def memory_worker(mode: str) -> None:
+    """Fresh process: the peak RSS increment of one plain step or one diagnose (after one warm-up of each)."""
+    import ampdoctor
+
+    torch.set_num_threads(1)
+    model, x, loss_fn = tenk_model()
+    run = (lambda: plain_step(model, x, loss_fn)) if mode == "plain" else (
+        lambda: ampdoctor.diagnose(model, x, loss_fn=loss_fn, dtype=DTYPE))
+    plain_step(model, x, loss_fn)
+    run()
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _status_kib("VmRSS") or 0
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        print("AMPDOCTOR_MEMORY null")
+        return
+    run()
+    print("AMPDOCTOR_MEMORY " + json.dumps(((_status_kib("VmHWM") or 0) - base) / 1024))
+
+
+def _subprocess_json(args: list[str], tag: str) -> Any:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072",
+               MALLOC_TRIM_THRESHOLD_="131072")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
+                          env=env, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith(tag + " "):
+            return json.loads(line.split(" ", 1)[1])
+    print(f"[{args} failed]\n{(proc.stderr or proc.stdout)[-2000:]}", file=sys.stderr)
+    return None
+
+
+def measure_tenk(repeats: int, memory: bool) -> dict[str, Any]:
+    import ampdoctor
+    from ampdoctor.report.html import render_html
+
+    model, x, loss_fn = tenk_model()
+    modules = sum(1 for _ in model.modules()) - 1
+    plain_step(model, x, loss_fn)
+    diagnose = lambda: ampdoctor.diagnose(model, x, loss_fn=loss_fn, dtype=DTYPE)  # noqa: E731
+    report = diagnose()  # warm-up
+    pairs = []
+    for _ in range(repeats):
+        plain, _ = _clocked(lambda: plain_step(model, x, loss_fn))
+        seconds, report = _clocked(diagnose)
+        pairs.append((plain, seconds))
+    html_s, html = _clocked(lambda: render_html(report))
+    text_s, text = _clocked(report.to_text)
+    json_s, js = _clocked(report.to_json)
+    out: dict[str, Any] = {
+        "modules": modules, "plain_s": statistics.median(p for p, _ in pairs),
+        "diagnose_x": _median_ratio(pairs), "verdict": str(report.verdict),
+        "passes": [(p.purpose, round(p.seconds, 2)) for p in report.run.passes],
+        "html_bytes": len(html.encode()), "html_s": html_s, "text_bytes": len(text.encode()), "text_s": text_s,
+        "json_bytes": len(js.encode()), "json_s": json_s,
+    }
+    if memory:
+        plain_mib = _subprocess_json(["--_worker", "memory", "--mode", "plain"], "AMPDOCTOR_MEMORY")
+        diag_mib = _subprocess_json(["--_worker", "memory", "--mode", "diagnose"], "AMPDOCTOR_MEMORY")
+        out.update(plain_mib=plain_mib, diagnose_mib=diag_mib,
+                   memory_x=diag_mib / plain_mib if plain_mib and diag_mib is not None else None)
+    return out
+
+
+# -- watch ------------------------------------------------------------------------------------------------------
+
+
+def measure_watch(layers: int, rounds: int, steps: int) -> dict[str, Any]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import watch_overhead
+
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        linear = nn.Linear(64, 64)
+        nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
+        nn.init.zeros_(linear.bias)
+        mods += [linear, nn.ReLU()]
+    model = nn.Sequential(*mods, nn.Linear(64, 10))
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    case = watch_overhead.Case(f"{layers}-layer narrow MLP", model, lambda: (x, y), watch_overhead.cross_entropy)
+    return watch_overhead.measure(case, rounds, steps, warmup=3, amp=True)  # type: ignore[no-any-return]
+
+
+# -- encoder ----------------------------------------------------------------------------------------------------
+
+
+def measure_encoder(repeats: int, batch_div: int) -> dict[str, Any]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from overhead_models import build_case
+
+    import ampdoctor
+
+    case = build_case("encoder", torch.device("cpu"), batch_div)
+    plain_step(case.model, case.batch, case.loss_fn)
+    diagnose = lambda: ampdoctor.diagnose(case.model, case.batch, loss_fn=case.loss_fn, dtype=DTYPE)  # noqa: E731
+    pairs = []
+    report = None
+    for _ in range(repeats):
+        plain, _ = _clocked(lambda: plain_step(case.model, case.batch, case.loss_fn))
+        seconds, report = _clocked(diagnose)
+        pairs.append((plain, seconds))
+    assert report is not None
+    return {"description": case.description, "plain_s": statistics.median(p for p, _ in pairs),
+            "diagnose_x": _median_ratio(pairs), "verdict": str(report.verdict),
+            "passes": [(p.purpose, round(p.seconds, 2)) for p in report.run.passes]}
+
+
+# -- first call -------------------------------------------------------------------------------------------------
+
+
+def first_worker() -> None:
+    """Fresh process: wall seconds of the first and the second diagnose, and the RSS each adds."""
+    start = time.perf_counter()
+    import ampdoctor
+
+    imported = time.perf_counter() - start
+    torch.set_num_threads(1)
+    model, x, loss_fn = small_model()
+    plain_step(model, x, loss_fn)
+    out = {"import_s": imported}
+    for key in ("first", "second"):
+        rss = _status_kib("VmRSS") or 0
+        out[key + "_s"], _ = _clocked(lambda: ampdoctor.diagnose(model, x, loss_fn=loss_fn, dtype=DTYPE),
+                                      time.perf_counter)
+        out[key + "_mib"] = ((_status_kib("VmRSS") or 0) - rss) / 1024
+    out["dynamo_imported"] = "torch._dynamo" in sys.modules
+    print("AMPDOCTOR_FIRST " + json.dumps(out))
+
+
+def measure_first(repeats: int) -> dict[str, Any]:
+    runs = [r for r in (_subprocess_json(["--_worker", "first"], "AMPDOCTOR_FIRST") for _ in range(repeats)) if r]
+    if not runs:
+        return {}
+    extra = statistics.median(r["first_s"] - r["second_s"] for r in runs)
+    return {"extra_s": extra, "first_s": statistics.median(r["first_s"] for r in runs),
+            "second_s": statistics.median(r["second_s"] for r in runs),
+            "extra_mib": statistics.median(r["first_mib"] - r["second_mib"] for r in runs),
+            "import_s": statistics.median(r["import_s"] for r in runs),
+            "dynamo_imported": any(r["dynamo_imported"] for r in runs)}
+
+
+# -- output -----------------------------------------------------------------------------------------------------
+
+
+def _gate(value: Optional[float], gate: float) -> str:
+    return "n/a" if value is None else ("holds" if value <= gate else "MISSED")
+
+
+def report(results: dict[str, Any]) -> None:
+    print("| measure | value | goal | |\n|---|---|---|---|")
+    t = results.get("tenk")
+    if t:
+        print(f"| 10,000 modules: diagnose, plain steps (plain {t['plain_s']:.3f} s; {t['verdict']}; passes "
+              f"{t['passes']}) | {t['diagnose_x']:.2f}× | ≤ {GATES['tenk_time']:g} | "
+              f"{_gate(t['diagnose_x'], GATES['tenk_time'])} |")
+        if "memory_x" in t:
+            mx = t["memory_x"]
+            print(f"| 10,000 modules: diagnose peak memory / plain step's ({t['diagnose_mib']:.0f} / "
+                  f"{t['plain_mib']:.0f} MiB) | {'n/a' if mx is None else f'{mx:.2f}×'} | ≤ {GATES['tenk_memory']} | "
+                  f"{_gate(mx, GATES['tenk_memory'])} |")
+        print(f"| 10,000 modules: HTML report (rendered in {t['html_s']:.2f} s; text {t['text_bytes'] / 1024:.0f} KiB "
+              f"in {t['text_s']:.2f} s, JSON {t['json_bytes'] / 2**20:.1f} MiB in {t['json_s']:.2f} s) | "
+              f"{t['html_bytes'] / 2**20:.2f} MiB | ≤ 1 MiB | {_gate(t['html_bytes'], GATES['tenk_html_bytes'])} |")
+    for layers in (50, 200):
+        w = results.get(f"watch{layers}")
+        if w:
+            best = w["best_s"]
+            print(f"| watch, {layers}-layer narrow MLP, statistics every step (plain {best['plain'] * 1e3:.1f} ms, "
+                  f"{(best['watch_every'] - best['plain']) * 1e6 / (2 * layers + 1):.0f} µs per module) | "
+                  f"{w['ratio']['watch_every']:.3f}× | ≤ {GATES['watch_every']} | "
+                  f"{_gate(w['ratio']['watch_every'], GATES['watch_every'])} |")
+            print(f"| watch, {layers}-layer narrow MLP, defaults | {w['ratio']['watch']:.3f}× | ≤ {GATES['watch']} | "
+                  f"{_gate(w['ratio']['watch'], GATES['watch'])} |")
+    e = results.get("encoder")
+    if e:
+        print(f"| healthy encoder: diagnose, plain steps (plain {e['plain_s']:.2f} s; {e['verdict']}; passes "
+              f"{e['passes']}) | {e['diagnose_x']:.2f}× | ≤ {GATES['encoder']} | "
+              f"{_gate(e['diagnose_x'], GATES['encoder'])} |")
+    f = results.get("first")
+    if f:
+        print(f"| first diagnose in a fresh process minus the second, small model (wall: {f['first_s']:.2f} s vs "
+              f"{f['second_s']:.2f} s, +{f['extra_mib']:.0f} MiB RSS; import ampdoctor {f['import_s']:.2f} s; "
+              f"dynamo imported: {f['dynamo_imported']}) | {f['extra_s']:.2f} s | ≤ {GATES['first_extra_s']} s | "
+              f"{_gate(f['extra_s'], GATES['first_extra_s'])} |")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per time ratio (median; default 3)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: one round, encoder batch / 8")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--_worker", dest="worker", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker == "memory":
+        memory_worker(args.mode)
+        return 0
+    if args.worker == "first":
+        first_worker()
+        return 0
+    torch.set_num_threads(1)
+    repeats = 1 if args.quick else args.repeats
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    started = time.perf_counter()
+    results: dict[str, Any] = {}
+    for part in parts:
+        if part == "tenk":
+            results["tenk"] = measure_tenk(repeats, not args.no_memory)
+        elif part == "watch":
+            for layers in (50, 200):
+                results[f"watch{layers}"] = measure_watch(layers, 2 if args.quick else 5, 3 if args.quick else 10)
+        elif part == "encoder":
+            results["encoder"] = measure_encoder(repeats, 8 if args.quick else 1)
+        elif part == "first":
+            results["first"] = measure_first(repeats)
+        else:
+            print(f"unknown part {part!r}; choose from {','.join(PARTS)}", file=sys.stderr)
+            return 2
+        print(f"[{part} done, {time.perf_counter() - started:.0f} s]", file=sys.stderr, flush=True)
+    import ampdoctor
+
+    print(f"# ampdoctor cost per module ({ampdoctor.__version__}, torch {torch.__version__}, 1 thread, "
+          f"{os.cpu_count()} cores; process CPU time, medians of {repeats} interleaved rounds)\n")
+    report(results)
+    print(f"\nTotal benchmark time {time.perf_counter() - started:.0f} s.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Small reductions the statistics collector reads back: extremes of many small tensors at once, and what a
+NaN-ignoring sum says about the infs behind a NaN."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+
+def behind_nan(low: float, high: float, nansum: float) -> tuple[float, float]:
+    """Survey-level min and max of a tensor holding NaN: NaN stays in one of them (the tensor is not finite), and
+    the other says which inf the tensor also holds, if any: a NaN-ignoring sum of +inf (or NaN: +inf and -inf
+    together) means +inf is there, -inf means -inf. (A float32 sum of finite values could overflow only for
+    values within a factor ``numel`` of float32's maximum: itself an overflow.)"""
+    if nansum == math.inf or nansum != nansum:
+        return math.nan, math.inf
+    if nansum == -math.inf:
+        return -math.inf, math.nan
+    return math.nan, math.nan
+
+
+def segment_extremes(
+    flat: torch.Tensor, lengths: tuple[int, ...]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per consecutive segment of ``flat`` (segments sorted by size): its min, max and NaN-ignoring sum (0-d
+    each), and the nonzero counts (one 1-D tensor per run of equal sizes): one reduction of each kind per run."""
+    mins: list[torch.Tensor] = []
+    maxs: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []
+    start = 0
+    for size, run in itertools.groupby(lengths):
+        count = len(list(run))
+        block = flat[start : start + size * count].view(count, size)
+        mins += block.amin(dim=1).unbind(0)
+        maxs += block.amax(dim=1).unbind(0)
+        sums += block.nansum(dim=1).unbind(0)
+        counts.append(torch.count_nonzero(block, dim=1))
+        start += size * count
+    return mins, maxs, counts, sums
