@@ -12,7 +12,8 @@ from ..analysis import Findings, Origin, backward_origin, forward_origin
 from ..records import BATCH, LOSS, Cost, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 from .fallback import Fp32Fallback
-from .recommend import fallback_snippet
+from .rules import rule_of
+from .snippets import fallback_snippet
 
 # How many modules the loop adds before it gives up (each round is one re-run).
 MAX_FALLBACK_ROUNDS = 4
@@ -208,7 +209,7 @@ def verify_recommendations(
     out: list[Recommendation] = []
     for rec in recs:
         try:
-            out.append(_verify_one(ctx, findings, rec, origin, check_scale))
+            out.append(dataclasses.replace(_verify_one(ctx, findings, rec, origin, check_scale), rule=rec.rule))
         except Exception as exc:  # a re-run that cannot run (float16-only kernel, out of memory): say so
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
             out.append(dataclasses.replace(rec, verified=False, evidence=f"the verification re-run failed ({reason})"))
@@ -220,14 +221,16 @@ def verify_recommendations(
 def _verify_one(
     ctx: VerifyContext, findings: Findings, rec: Recommendation, origin: Optional[Origin], check_scale: float
 ) -> Recommendation:
-    if rec.action == "fp32_fallback" and origin is not None and rec.modules == (origin.module,):
+    rule = rule_of(rec)
+    kind = rule.verify if rule is not None else None
+    if kind == "fallback" and origin is not None and rec.modules == (origin.module,):
         return verify_fallback(ctx, origin, check_scale)
-    if rec.action == "bf16" and ctx.run_other_dtype is not None:
+    if kind == "bf16" and ctx.run_other_dtype is not None:
         ok = ctx.run_other_dtype(1.0).healthy()
         outcome = "forward and backward finite" if ok else "still non-finite"
         return dataclasses.replace(rec, verified=ok, evidence=f"re-ran the step in bfloat16 (unscaled): {outcome}")
     scale = _proposed_scale(findings)
-    if rec.action == "loss_scale" and scale is not None:
+    if kind == "loss_scale" and scale is not None:
         ok = (ctx.run_unchanged or ctx.run)(scale).healthy()
         evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
         window = findings.window

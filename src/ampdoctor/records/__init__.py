@@ -460,3 +460,4 @@ class Recommendation:
     verified: bool = False  # True only when a re-run with the change applied came out finite
     evidence: str = ""  # what the verification run showed (or why there was none)
     cost: Optional[Cost] = None
+    rule: str = ""  # the name of the rule that proposed it (fixes.rules.RULES); "" in older reports

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from .document import Document, Item, Para, Source, Table, build_document
+from .document import Document, Item, Para, Source, Table
+from .sections import build_document
 
 if TYPE_CHECKING:
     from .report import Report

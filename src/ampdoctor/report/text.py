@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
-from .document import Document, Item, Para, Source, Table, build_document, describe_bad, describe_origin, fmt_num
+from .document import Document, Item, Para, Source, Table, describe_bad, describe_origin, fmt_num
+from .sections import build_document
 
 if TYPE_CHECKING:
     from .report import Report
