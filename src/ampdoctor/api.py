@@ -45,7 +45,7 @@ from .fixes.recommend import recommend
 from .fixes.verify import VerifyContext, verify_recommendations
 from .records import BATCH, LOSS, ModuleInfo, PassTrace, Recommendation, RunInfo
 from .report import Report
-from .thresholds import UNDERFLOW_VERDICT_SHARE
+from .thresholds import MARGIN_BITS, UNDERFLOW_VERDICT_SHARE
 
 
 def diagnose(
@@ -65,6 +65,7 @@ def diagnose(
     policy: Optional[str] = None,
     memory_limit: Union[None, int, str] = None,
     progress: ProgressOption = None,
+    margin_bits: float = MARGIN_BITS,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -101,6 +102,10 @@ def diagnose(
         progress: show one progress line on stderr naming each pass (``True``), never (``False``), use a
             :class:`ampdoctor.capture.progress.Progress`, or call ``progress(purpose, index, total)`` as each pass
             starts. Default: shown when stderr is a terminal, silent otherwise.
+        margin_bits: a float32 fallback is *verified* only when, in the re-run with it, every instance of the fixed
+            mechanism (same module class in the same place of a repeated structure) left in low precision keeps
+            at least this many bits of headroom below the format's max (1 bit: 2x); otherwise the recommendation
+            says it holds at this step, with so many bits to spare. Instances inside the margin join the fallback.
 
     Every keyword is checked before anything runs: a value of the wrong type or range (``scale=True``,
     ``memory_limit=-1``, ``reference=-3``, ``loss_fn=3``) raises :class:`ampdoctor.InvalidInput` naming the keyword,
@@ -113,7 +118,7 @@ def diagnose(
     options = DiagnoseOptions(
         loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler, backward=backward, scale=scale,
         fp32_reference=fp32_reference, verify=verify, scale_window=scale_window, reference=reference,
-        policy=policy, memory_limit=memory_limit, progress=progress,
+        policy=policy, memory_limit=memory_limit, progress=progress, margin_bits=margin_bits,
     )
     check_batch(batch)
     root, notes = unwrap_model(model)
@@ -261,7 +266,8 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
     recommendations = recommend(findings, run_info, modules)
     if options.verify and recommendations:
         recommendations = _verify(
-            session, runner, modules, survey, findings, recommendations, used_scale, scale_finding
+            session, runner, modules, survey, findings, recommendations, used_scale, scale_finding,
+            options.margin_bits,
         )
     run_info = dataclasses.replace(run_info, passes=tuple(session.log))
     return Report(run_info, tuple(modules), final, findings, tuple(recommendations))
@@ -322,6 +328,7 @@ def _verify(
     recommendations: list[Recommendation],
     used_scale: float,
     scale_finding: Optional[ScaleFinding],
+    margin_bits: float,
 ) -> list[Recommendation]:
     check_scale = used_scale
     if findings.forward_origin is None and scale_finding is not None and scale_finding.analysed_scale:
@@ -351,6 +358,8 @@ def _verify(
         run_other_dtype=run_bf16 if bf16_ok else None,
         run_unchanged=run_unchanged,
         device_type="cuda" if session.spec.policy == "cuda_emulated" else session.spec.device_type,
+        limits=format_limits(session.spec.dtype),
+        margin_bits=margin_bits,
     )
     return verify_recommendations(context, findings, recommendations, check_scale)
 

@@ -97,6 +97,14 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
         help="loss scale of the backward (default: the checkpoint's GradScaler scale if it has one, else 65536 "
         "for float16, 1 for bfloat16)",
     )
+    parser.add_argument(
+        "--margin-bits",
+        type=float,
+        default=1.0,
+        metavar="B",
+        help="a float32 fallback is verified only when every instance of the fixed mechanism keeps B bits of "
+        "headroom below the format's max in the re-run (default: 1, i.e. 2x)",
+    )
     add_loading_options(parser)
     add_output_options(parser, FORMATS)
     parser.set_defaults(func=run_diagnose)
@@ -199,6 +207,7 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
                 scale=scale,
                 loss_fn=loss_fn,
                 progress=progress,
+                margin_bits=args.margin_bits,
             )
     except ModelRaised as exc:
         if exc.stage != "forward":

@@ -205,7 +205,11 @@ def _keep_in_fp32(ctx: Context) -> Recommendation:
     )
 
 
-BF16_TITLE = "autocast to bfloat16 where the device supports it (float32's range, no loss scaling needed)"
+# bfloat16 needs hardware support: said in every bfloat16 recommendation, so a T4/V100 user skips it.
+BF16_HARDWARE = "on CUDA it needs compute capability 8.0 or newer (A100, H100, RTX 30xx+; T4 and V100 have none)"
+BF16_TITLE = (
+    f"autocast to bfloat16 where the device supports it (float32's range, no loss scaling needed; {BF16_HARDWARE})"
+)
 
 
 def _bf16(ctx: Context, title: str = BF16_TITLE) -> Recommendation:
@@ -219,7 +223,8 @@ def _bf16(ctx: Context, title: str = BF16_TITLE) -> Recommendation:
 
 
 def _bf16_no_window(ctx: Context) -> Recommendation:
-    return _bf16(ctx, "no loss scale fits float16 for this model: autocast to bfloat16 where the device supports it")
+    return _bf16(ctx, "no loss scale fits float16 for this model: autocast to bfloat16 where the device supports it "
+                 f"({BF16_HARDWARE})")
 
 
 def _safe_scale(ctx: Context) -> Recommendation:
