@@ -22,7 +22,8 @@ from .snippets import fallback_snippet, scale_literal
 Situation = Literal["batch", "loss", "weights", "forward", "scale", "backward", "no_window", "other"]
 # How a proposal is proven by a re-run (see fixes/verify.py): the float32 fallback loop from the origin, the step
 # in bfloat16, the unchanged step at the proposed loss scale; "none": a code change the re-run cannot apply.
-VerifyKind = Literal["fallback", "bf16", "loss_scale", "none"]
+# "rewrite": the step re-run with the rewrite's arithmetic (fixes.rewrites), which must be applied and finite.
+VerifyKind = Literal["fallback", "bf16", "loss_scale", "rewrite", "none"]
 
 FILL_OPS = frozenset(
     {"aten::masked_fill", "aten::fill", "aten::full", "aten::where", "aten::new_full", "aten::scalar_tensor"}
@@ -92,6 +93,7 @@ class Rule:
     verify: VerifyKind
     cost: str
     applies: Callable[[Context], bool] = _always
+    rewrite: str = ""  # for verify "rewrite": which fused form fixes.rewrites runs ("sigmoid", "softmax")
 
     def __call__(self, ctx: Context) -> Optional[Recommendation]:
         if not self.applies(ctx):
@@ -328,6 +330,43 @@ def _near_limit_fallback(ctx: Context) -> Recommendation:
     )
 
 
+def _log_of(inner: str) -> Callable[[Context], bool]:
+    """The origin op is ``log`` and its source line takes the log of ``inner``'s result (not the fused form)."""
+
+    def applies(ctx: Context) -> bool:
+        op = ctx.fwd.op if ctx.fwd is not None else None
+        if op is None or op.op.split(".")[0] != "aten::log" or op.location is None:
+            return False
+        code = op.location.code.replace("logsigmoid", "").replace("log_softmax", "")
+        return inner in code and "log" in code
+
+    return applies
+
+
+_FUSED = {
+    "sigmoid": ("F.logsigmoid(x)", "log(sigmoid(x))", "sigmoid(x) rounds to 0 in float16 below x = -17"),
+    "softmax": ("torch.log_softmax(x, dim)", "log(softmax(x, dim))", "small probabilities round to 0"),
+}
+
+
+def _fused_log(inner: str) -> Callable[[Context], Recommendation]:
+    def propose(ctx: Context) -> Recommendation:
+        assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
+        fused, plain, why = _FUSED[inner]
+        loc = ctx.fwd.op.location
+        where = f"{loc.file.rsplit('/', 1)[-1]}:{loc.line}"
+        return Recommendation(
+            action="rewrite",
+            modules=() if ctx.fwd.module in (LOSS, BATCH) else (ctx.fwd.module,),
+            title=f"compute {plain} as {fused} at {where}: {why}, and log(0) is -inf; the fused form stays "
+            "finite and needs no float32",
+            snippet=f"# was: {loc.code.strip()}\n"
+            + ("y = torch.nn.functional.logsigmoid(x)" if inner == "sigmoid" else "y = torch.log_softmax(x, dim)"),
+        )
+
+    return propose
+
+
 # -- the rules, most direct remedy first -------------------------------------------------------------------
 
 _FALLBACK_COST = "the module's activations in float32 (2x their bytes) and its matmuls at float32 speed"
@@ -337,8 +376,12 @@ _CODE_COST = "an edit of the user's code"
 
 RULES: tuple[Rule, ...] = (
     Rule("fix_batch", "batch", _fix_batch, "none", "none: the data is wrong"),
+    Rule("loss_logsigmoid", "loss", _fused_log("sigmoid"), "rewrite", _CODE_COST, _log_of("sigmoid"), "sigmoid"),
+    Rule("loss_log_softmax", "loss", _fused_log("softmax"), "rewrite", _CODE_COST, _log_of("softmax"), "softmax"),
     Rule("fix_loss", "loss", _fix_loss_forward, "none", _CODE_COST),
     Rule("fix_weights", "weights", _fix_weights, "none", "a restore from an earlier checkpoint"),
+    Rule("logsigmoid", "forward", _fused_log("sigmoid"), "rewrite", _CODE_COST, _log_of("sigmoid"), "sigmoid"),
+    Rule("log_softmax", "forward", _fused_log("softmax"), "rewrite", _CODE_COST, _log_of("softmax"), "softmax"),
     Rule("mask_constant", "forward", _mask_constant, "none", _CODE_COST,
          applies=lambda ctx: _mask_value(ctx) is not None),
     Rule("forward_fallback", "forward", _forward_fallback, "fallback", _FALLBACK_COST),

@@ -14,6 +14,7 @@ from ..analysis.mechanisms import Instance, Mechanism, mechanism_of
 from ..records import BATCH, LOSS, Cost, FormatLimits, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
 from ..thresholds import MARGIN_BITS, SCALE_WINDOW_LOSS_SHARE
 from .fallback import Fp32Fallback
+from .rewrites import Fused, FusedLog
 from .rules import rule_of
 from .snippets import fallback_snippet
 
@@ -29,7 +30,7 @@ _EXTRA_BYTES = {"float16": 2, "bfloat16": 2}
 _MATMUL_CLASSES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
 RunFn = Callable[[float], PassTrace]
-_CODE_FIXES = frozenset({"mask_constant", "fix_code", "fix_batch", "fix_loss", "fix_weights"})
+_CODE_FIXES = frozenset({"rewrite", "mask_constant", "fix_code", "fix_batch", "fix_loss", "fix_weights"})
 
 
 @dataclasses.dataclass
@@ -298,6 +299,8 @@ def _verify_one(
     kind = rule.verify if rule is not None else None
     if kind == "fallback" and origin is not None and rec.modules == (origin.module,):
         return verify_fallback(ctx, origin, check_scale)
+    if kind == "rewrite" and rule is not None and rule.rewrite in ("sigmoid", "softmax"):
+        return _verify_rewrite(ctx, rec, rule.rewrite, check_scale)  # type: ignore[arg-type]
     if kind == "bf16" and ctx.run_other_dtype is not None:
         ok = ctx.run_other_dtype(1.0).healthy()
         outcome = "forward and backward finite" if ok else "still non-finite"
@@ -313,6 +316,26 @@ def _verify_one(
             ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
         return dataclasses.replace(rec, verified=ok, evidence=evidence)
     return rec
+
+
+def _verify_rewrite(ctx: VerifyContext, rec: Recommendation, inner: Fused, check_scale: float) -> Recommendation:
+    """Re-run the step with the rewrite's own arithmetic (fixes.rewrites.FusedLog): verified when it was applied
+    at least once and the step came out finite."""
+    with FusedLog(inner) as mode:
+        last = ctx.run(check_scale)
+        note = ""
+        if last.forward_healthy() and not last.healthy() and check_scale > 1 and ctx.run(1.0).healthy():
+            last, note = ctx.run(1.0), f"; the backward overflows at scale {check_scale:g} but is finite at 1"
+    if not mode.applied:
+        return dataclasses.replace(rec, evidence="re-ran the step with the rewrite: the pattern was not met "
+                                                 "(no log of that function's result ran), so nothing was proven")
+    ok = last.healthy()
+    evidence = (
+        f"re-ran the step at scale {check_scale:g} computing the fused form in place of log(...) "
+        f"({mode.applied} time(s)): " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
+                                          if ok else "still non-finite") + note
+    )
+    return dataclasses.replace(rec, verified=ok, evidence=evidence)
 
 
 def _proposed_scale(findings: Findings) -> Optional[float]:

@@ -29,6 +29,7 @@ Action = Literal[
     "mask_constant",  # a fill constant that fits the format
     "keep_in_fp32",  # Hugging Face _keep_in_fp32_modules
     "fix_code",  # compute one op in float32 (the origin is the root's own code)
+    "rewrite",  # a code-level rewrite of the origin's line (log(sigmoid(x)) -> F.logsigmoid(x), ...)
     "fix_batch",  # the batch holds inf/NaN
     "fix_loss",  # the loss function made it
     "fix_weights",  # the weights are already non-finite
