@@ -42,10 +42,14 @@ class Mechanism:
     def needing(self) -> tuple[str, ...]:
         return tuple(i.module for i in self.instances if i.reason)
 
-    def sentence(self) -> str:
-        """'2 SelfAttention instances (blocks.*.attn) run this code; 2 of 2 need it (...)'."""
-        n, need = len(self.instances), [i for i in self.instances if i.reason]
-        why = ", ".join(f"{i.module}: {i.reason}" for i in need)
+    def sentence(self, covered: Optional[Iterable[str]] = None) -> str:
+        """'2 SelfAttention instances (blocks.*.attn) run this code; 2 of 2 need it (...)'. ``covered``: the
+        instances a remedy found it needed (default: those that need it in this pass)."""
+        names = {i.module for i in self.instances}
+        need = [m for m in covered if m in names] if covered is not None else list(self.needing)
+        reasons = {i.module: i.reason for i in self.instances}
+        why = ", ".join(f"{m}: {reasons[m]}" if reasons[m] else m for m in need)
+        n = len(self.instances)
         return f"{n} {self.class_name} instances ({self.pattern}) run this code; {len(need)} of {n} need it" + (
             f" ({why})" if why else ""
         )
@@ -89,7 +93,7 @@ def mechanism_of(
         if not finite and name in creators:
             reason = "overflows"
         elif not finite:
-            continue  # carries an earlier call's bad values: its own headroom is unknown here
+            reason = ""  # carries an earlier call's bad values: whether it needs the remedy shows after the fix
         elif name in hidden:
             reason = "hides an overflow"
         elif bits < margin_bits:

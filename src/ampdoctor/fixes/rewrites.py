@@ -56,3 +56,67 @@ class FusedLog(TorchFunctionMode):
     ) -> None:
         self._made.clear()
         super().__exit__(exc_type, exc, tb)
+
+
+_MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
+_SCALE = {
+    torch.Tensor.__truediv__: True,
+    torch.Tensor.div: True,
+    torch.div: True,
+    torch.Tensor.__mul__: False,
+    torch.Tensor.mul: False,
+    torch.mul: False,
+}
+
+
+class ScaleFirst(TorchFunctionMode):
+    """Runs ``(a @ b) / c`` (or ``* c``) at one source line as ``(a * (1 / c)) @ b``: the rewrite "scale q before
+    the scores". The matmul at ``file:line`` is computed in float32 and held; when the next op divides (or
+    multiplies) that very tensor by a Python number, the mode returns the rewritten arithmetic, run in the
+    autocast state the user's code runs in. A held product that no scaling followed is counted in ``missed``
+    (the rewrite does not apply there)."""
+
+    def __init__(self, file: str, line: int) -> None:
+        super().__init__()
+        self.where = (file, line)
+        self.applied = 0
+        self._held: dict[int, tuple[torch.Tensor, Any, Any, Any]] = {}
+        self._missed = 0
+
+    @property
+    def missed(self) -> int:
+        return len(self._held) or self._missed
+
+    def _at_line(self) -> bool:
+        import sys
+
+        frame = sys._getframe(2)
+        while frame is not None:
+            if (frame.f_code.co_filename, frame.f_lineno) == self.where:
+                return True
+            frame = frame.f_back  # type: ignore[assignment]
+        return False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _SCALE and len(args) == 2 and id(args[0]) in self._held and isinstance(args[1], (int, float)):
+            held, a, b, mm = self._held[id(args[0])]
+            if held is args[0]:
+                del self._held[id(args[0])]
+                factor = 1.0 / args[1] if _SCALE[func] else float(args[1])
+                self.applied += 1
+                return mm(a * factor, b)
+        if func in _MATMUL and len(args) == 2 and not kwargs and self._at_line():
+            a, b = args
+            with torch.autocast(a.device.type, enabled=False):
+                product = func(a.float(), b.float())
+            self._held[id(product)] = (product, a, b, func)
+            return product
+        return func(*args, **kwargs)
+
+    def __exit__(
+        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        self._missed = len(self._held)
+        self._held.clear()
+        super().__exit__(exc_type, exc, tb)

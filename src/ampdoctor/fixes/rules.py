@@ -93,7 +93,7 @@ class Rule:
     verify: VerifyKind
     cost: str
     applies: Callable[[Context], bool] = _always
-    rewrite: str = ""  # for verify "rewrite": which fused form fixes.rewrites runs ("sigmoid", "softmax")
+    rewrite: str = ""  # for verify "rewrite": which rewrite fixes.rewrites runs ("sigmoid", "softmax", "scale_first")
 
     def __call__(self, ctx: Context) -> Optional[Recommendation]:
         if not self.applies(ctx):
@@ -367,6 +367,35 @@ def _fused_log(inner: str) -> Callable[[Context], Recommendation]:
     return propose
 
 
+_MATMUL_OPS = frozenset({"aten::matmul", "aten::bmm", "aten::mm", "aten::baddbmm"})
+
+
+def _scores_line(ctx: Context) -> bool:
+    """The origin op is a matmul of something with a transposed operand (attention scores) at a known line."""
+    op = ctx.fwd.op if ctx.fwd is not None else None
+    if op is None or op.op.split(".")[0] not in _MATMUL_OPS or op.location is None:
+        return False
+    code = op.location.code
+    return ("@" in code or "matmul(" in code or "bmm(" in code) and any(
+        t in code for t in ("transpose(", ".T", ".mT", "permute(")
+    )
+
+
+def _scale_first(ctx: Context) -> Recommendation:
+    assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
+    loc = ctx.fwd.op.location
+    where = f"{loc.file.rsplit('/', 1)[-1]}:{loc.line}"
+    return Recommendation(
+        action="rewrite",
+        modules=(ctx.fwd.module,) if ctx.fwd.module else (),
+        title=f"scale before the product at {where}: the scores overflow {ctx.run.limits.dtype} before the "
+        "1/sqrt(d) scaling; scale q first (or q and k by d**-0.25), or use F.scaled_dot_product_attention",
+        snippet=f"# was: {loc.code.strip()}  (then / math.sqrt(d))\n"
+        "scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # and drop the later division\n"
+        "# or: out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)",
+    )
+
+
 # -- the rules, most direct remedy first -------------------------------------------------------------------
 
 _FALLBACK_COST = "the module's activations in float32 (2x their bytes) and its matmuls at float32 speed"
@@ -382,6 +411,7 @@ RULES: tuple[Rule, ...] = (
     Rule("fix_weights", "weights", _fix_weights, "none", "a restore from an earlier checkpoint"),
     Rule("logsigmoid", "forward", _fused_log("sigmoid"), "rewrite", _CODE_COST, _log_of("sigmoid"), "sigmoid"),
     Rule("log_softmax", "forward", _fused_log("softmax"), "rewrite", _CODE_COST, _log_of("softmax"), "softmax"),
+    Rule("scale_first", "forward", _scale_first, "rewrite", _CODE_COST, _scores_line, "scale_first"),
     Rule("mask_constant", "forward", _mask_constant, "none", _CODE_COST,
          applies=lambda ctx: _mask_value(ctx) is not None),
     Rule("forward_fallback", "forward", _forward_fallback, "fallback", _FALLBACK_COST),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Optional
+from typing import Optional, Union
 
 from torch import nn
 
@@ -14,7 +14,7 @@ from ..analysis.mechanisms import Instance, Mechanism, mechanism_of
 from ..records import BATCH, LOSS, Cost, FormatLimits, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
 from ..thresholds import MARGIN_BITS, SCALE_WINDOW_LOSS_SHARE
 from .fallback import Fp32Fallback
-from .rewrites import Fused, FusedLog
+from .rewrites import FusedLog, ScaleFirst
 from .rules import rule_of
 from .snippets import fallback_snippet
 
@@ -231,7 +231,7 @@ def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scal
     )
     for mech in _mechanisms(ctx, ctx.baseline, chosen):
         if len(mech.instances) > 1:
-            evidence += f"; {mech.sentence()}"
+            evidence += f"; {mech.sentence(chosen)}"
     if followed:
         evidence += f"; {len(followed)} call(s) after it ran on its float32 output ({', '.join(followed[:3])})"
     if changed:
@@ -300,7 +300,10 @@ def _verify_one(
     if kind == "fallback" and origin is not None and rec.modules == (origin.module,):
         return verify_fallback(ctx, origin, check_scale)
     if kind == "rewrite" and rule is not None and rule.rewrite in ("sigmoid", "softmax"):
-        return _verify_rewrite(ctx, rec, rule.rewrite, check_scale)  # type: ignore[arg-type]
+        return _verify_rewrite(ctx, rec, FusedLog(rule.rewrite), check_scale)  # type: ignore[arg-type]
+    loc = origin.op.location if origin is not None and origin.op is not None else None
+    if kind == "rewrite" and rule is not None and rule.rewrite == "scale_first" and loc is not None:
+        return _verify_rewrite(ctx, rec, ScaleFirst(loc.file, loc.line), check_scale)
     if kind == "bf16" and ctx.run_other_dtype is not None:
         ok = ctx.run_other_dtype(1.0).healthy()
         outcome = "forward and backward finite" if ok else "still non-finite"
@@ -318,21 +321,28 @@ def _verify_one(
     return rec
 
 
-def _verify_rewrite(ctx: VerifyContext, rec: Recommendation, inner: Fused, check_scale: float) -> Recommendation:
-    """Re-run the step with the rewrite's own arithmetic (fixes.rewrites.FusedLog): verified when it was applied
-    at least once and the step came out finite."""
-    with FusedLog(inner) as mode:
+def _verify_rewrite(
+    ctx: VerifyContext, rec: Recommendation, mode: Union[FusedLog, ScaleFirst], check_scale: float
+) -> Recommendation:
+    """Re-run the step with the rewrite's own arithmetic (fixes.rewrites): verified when it was applied at least
+    once, everywhere the pattern ran, and the step came out finite."""
+    with mode:
         last = ctx.run(check_scale)
+        per_run = mode.applied
         note = ""
-        if last.forward_healthy() and not last.healthy() and check_scale > 1 and ctx.run(1.0).healthy():
-            last, note = ctx.run(1.0), f"; the backward overflows at scale {check_scale:g} but is finite at 1"
-    if not mode.applied:
+        if last.forward_healthy() and not last.healthy() and check_scale > 1:
+            at_one = ctx.run(1.0)
+            if at_one.healthy():
+                last, note = at_one, f"; the backward overflows at scale {check_scale:g} but is finite at 1"
+    missed = mode.missed if isinstance(mode, ScaleFirst) else 0
+    if not mode.applied or missed:
         return dataclasses.replace(rec, evidence="re-ran the step with the rewrite: the pattern was not met "
-                                                 "(no log of that function's result ran), so nothing was proven")
+                                                 f"({mode.applied} time(s) applied, {missed} not), so nothing "
+                                                 "was proven")
     ok = last.healthy()
     evidence = (
-        f"re-ran the step at scale {check_scale:g} computing the fused form in place of log(...) "
-        f"({mode.applied} time(s)): " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
+        f"re-ran the step at scale {check_scale:g} computing the rewritten arithmetic "
+        f"({per_run} time(s) per step): " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
                                           if ok else "still non-finite") + note
     )
     return dataclasses.replace(rec, verified=ok, evidence=evidence)
