@@ -42,7 +42,8 @@ from .capture.sharded import full_model
 from .capture.state import StateGuard
 from .capture.stats import format_limits
 from .fixes.recommend import recommend
-from .fixes.verify import VerifyContext, verify_recommendations
+from .fixes.steps import parameter_bytes, train_steps, with_steps
+from .fixes.verify import VerifyContext, remedy_for, verify_recommendations
 from .records import BATCH, LOSS, ModuleInfo, PassTrace, Recommendation, RunInfo
 from .report import Report
 from .thresholds import MARGIN_BITS, UNDERFLOW_VERDICT_SHARE
@@ -66,6 +67,8 @@ def diagnose(
     memory_limit: Union[None, int, str] = None,
     progress: ProgressOption = None,
     margin_bits: float = MARGIN_BITS,
+    verify_steps: int = 0,
+    optimizer: Optional[torch.optim.Optimizer] = None,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -106,6 +109,13 @@ def diagnose(
             mechanism (same module class in the same place of a repeated structure) left in low precision keeps
             at least this many bits of headroom below the format's max (1 bit: 2x); otherwise the recommendation
             says it holds at this step, with so many bits to spare. Instances inside the margin join the fallback.
+        verify_steps: train this many steps on the batch with the first verified float32 fallback or rewrite
+            applied, on a copy of the model, under a new GradScaler, and add to its evidence whether it holds
+            (loss finite at every step, no skipped step after the scaler's initial back-off). Memory: a copy of
+            the parameters, their gradients and the optimizer's state (about 4x the parameters; stated in the
+            report's notes and in the progress line), outside the passes' memory limit.
+        optimizer: the training loop's optimizer, for ``verify_steps``: a new one of its type is built with its
+            hyperparameters (``optimizer.defaults``) on the copy; never stepped itself. Default: AdamW(lr=1e-3).
 
     Every keyword is checked before anything runs: a value of the wrong type or range (``scale=True``,
     ``memory_limit=-1``, ``reference=-3``, ``loss_fn=3``) raises :class:`ampdoctor.InvalidInput` naming the keyword,
@@ -119,6 +129,7 @@ def diagnose(
         loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler, backward=backward, scale=scale,
         fp32_reference=fp32_reference, verify=verify, scale_window=scale_window, reference=reference,
         policy=policy, memory_limit=memory_limit, progress=progress, margin_bits=margin_bits,
+        verify_steps=verify_steps, optimizer=optimizer,
     )
     check_batch(batch)
     root, notes = unwrap_model(model)
@@ -269,8 +280,43 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
             session, runner, modules, survey, findings, recommendations, used_scale, scale_finding,
             options.margin_bits,
         )
+    if options.verify_steps and recommendations:
+        recommendations, note = _train_steps(session, options, findings, recommendations)
+        run_info = dataclasses.replace(run_info, notes=(*run_info.notes, note))
     run_info = dataclasses.replace(run_info, passes=tuple(session.log))
     return Report(run_info, tuple(modules), final, findings, tuple(recommendations))
+
+
+def _train_steps(
+    session: Session, options: DiagnoseOptions, findings: Any, recommendations: list[Recommendation]
+) -> tuple[list[Recommendation], str]:
+    """``verify_steps``: train a copy with the first verified rewrite and the first verified float32 fallback (each
+    on its own copy); each one's evidence says whether it holds."""
+    spec = session.spec
+    origin = findings.forward_origin or findings.backward_origin
+    chosen: dict[str, int] = {}
+    for i, r in enumerate(recommendations):
+        if r.verified and r.action not in chosen and remedy_for(r, origin) is not None:
+            chosen[r.action] = i
+    memory = describe(4 * parameter_bytes(spec.root))
+    if not chosen:
+        return recommendations, f"verify_steps={options.verify_steps}: no verified float32 fallback or rewrite to train"
+    out = list(recommendations)
+    for i in chosen.values():
+        remedy = remedy_for(out[i], origin)
+        assert remedy is not None
+        with session.stage(f"training {options.verify_steps} steps with recommendation {i + 1} (about {memory} extra)"):
+            result = train_steps(
+                spec.root, spec.batch, spec.loss_fn, spec.device_type, spec.dtype, options.verify_steps, remedy,
+                options.optimizer,
+            )
+        out[i] = with_steps(out[i], result)
+    numbers = ", ".join(str(i + 1) for i in chosen.values())
+    note = (
+        f"verify_steps={options.verify_steps}: trained a copy of the model with recommendation(s) {numbers} "
+        f"(about {memory} extra for the copy, its gradients and the optimizer state; nothing of yours changed)"
+    )
+    return out, note
 
 
 def _cost_notes(

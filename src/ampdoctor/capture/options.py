@@ -116,8 +116,16 @@ class DiagnoseOptions:
     memory_limit: Union[None, int, str] = None
     progress: ProgressOption = None
     margin_bits: float = MARGIN_BITS
+    verify_steps: int = 0
+    optimizer: Any = None
 
     def __post_init__(self) -> None:
+        if not (is_int(self.verify_steps) and 0 <= self.verify_steps <= 10_000):
+            raise refuse("verify_steps", self.verify_steps, "an int from 0 (off) to 10000")
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise refuse(
+                "optimizer", self.optimizer, "a torch.optim.Optimizer (its type and defaults are reused), or None"
+            )
         margin = self.margin_bits
         if not (isinstance(margin, numbers.Real) and not isinstance(margin, bool) and 0 <= margin <= 8):
             raise refuse("margin_bits", margin, "a number of bits from 0 to 8 (1 means 2x below the format's max)")

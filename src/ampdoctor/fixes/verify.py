@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from torch import nn
 
@@ -359,3 +359,18 @@ def _proposed_scale(findings: Findings) -> Optional[float]:
 
 def _needs_fix(findings: Findings) -> bool:
     return findings.scale is not None and not findings.scale.harmless
+
+
+def remedy_for(rec: Recommendation, origin: Optional[Origin]) -> Optional[Callable[[nn.Module], Any]]:
+    """How to apply a recommendation to a copy of the model for training steps (None: not applicable)."""
+    rule = rule_of(rec)
+    if rec.action == "fp32_fallback" and rec.modules:
+        return lambda model: Fp32Fallback(model, rec.modules)
+    if rule is None or rule.verify != "rewrite":
+        return None
+    if rule.rewrite in ("sigmoid", "softmax"):
+        return lambda model: FusedLog(rule.rewrite)  # type: ignore[arg-type]
+    loc = origin.op.location if origin is not None and origin.op is not None else None
+    if rule.rewrite == "scale_first" and loc is not None:
+        return lambda model: ScaleFirst(loc.file, loc.line)
+    return None
