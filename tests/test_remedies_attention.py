@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from helpers import assert_untouched, snapshot
 from torch import nn
@@ -119,3 +120,16 @@ def test_no_scale_first_without_scores() -> None:
                                 device_type="cpu")
     assert report.findings.forward_origin is not None
     assert "scale_first" not in [r.rule for r in report.recommendations]
+
+
+@pytest.mark.slow
+def test_a_rewrite_inside_the_margin_only_holds_at_this_step() -> None:
+    """The rewritten scores peak 1.52 bits below 65504 here: verified at the default 1-bit margin, not at 2."""
+    torch.manual_seed(0)
+    model = Sensors()
+    report = ampdoctor.diagnose(model, _readings(), loss_fn=lambda out, _: out.float().mean(), device_type="cpu",
+                                margin_bits=2)
+    first = report.recommendations[0]
+    assert first.rule == "scale_first" and not first.verified
+    assert "holds at this step, with 1.52 bits to spare" in first.title
+    assert "inside the 2-bit margin" in first.evidence

@@ -27,6 +27,15 @@ _INNER: dict[Any, Fused] = {
 _LOG = (torch.log, torch.Tensor.log)
 
 
+def finite_peak(t: torch.Tensor) -> float:
+    """Largest finite |value| of a low-precision result (0 for float32 results: no format limit to keep).
+    Reads one number back: verification re-runs only, never at training time."""
+    if t.dtype not in (torch.float16, torch.bfloat16) or not t.numel():
+        return 0.0
+    finite = t.detach().abs().masked_fill(~torch.isfinite(t.detach()), 0)
+    return float(finite.max())
+
+
 class FusedLog(TorchFunctionMode):
     """Runs ``log(inner(x))`` as the fused, finite form for one kind of inner function; counts how often."""
 
@@ -34,6 +43,7 @@ class FusedLog(TorchFunctionMode):
         super().__init__()
         self.kind = kind
         self.applied = 0
+        self.peak = 0.0  # largest finite |value| the rewritten ops produced in low precision (for the margin)
         self._made: dict[int, tuple[torch.Tensor, torch.Tensor, Any, Any]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -42,9 +52,9 @@ class FusedLog(TorchFunctionMode):
             made, x, dim, dtype = self._made[id(args[0])]
             if made is args[0]:
                 self.applied += 1
-                if self.kind == "sigmoid":
-                    return F.logsigmoid(x)
-                return torch.log_softmax(x, dim, dtype=dtype)
+                fused = F.logsigmoid(x) if self.kind == "sigmoid" else torch.log_softmax(x, dim, dtype=dtype)
+                self.peak = max(self.peak, finite_peak(fused))
+                return fused
         out = func(*args, **kwargs)
         if _INNER.get(func) == self.kind and args and isinstance(out, torch.Tensor):
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -80,6 +90,7 @@ class ScaleFirst(TorchFunctionMode):
         super().__init__()
         self.where = (file, line)
         self.applied = 0
+        self.peak = 0.0  # largest finite |value| of the rewritten products in low precision (for the margin)
         self._held: dict[int, tuple[torch.Tensor, Any, Any, Any]] = {}
         self._missed = 0
 
@@ -105,7 +116,9 @@ class ScaleFirst(TorchFunctionMode):
                 del self._held[id(args[0])]
                 factor = 1.0 / args[1] if _SCALE[func] else float(args[1])
                 self.applied += 1
-                return mm(a * factor, b)
+                product = mm(a * factor, b)
+                self.peak = max(self.peak, finite_peak(product))
+                return product
         if func in _MATMUL and len(args) == 2 and not kwargs and self._at_line():
             a, b = args
             with torch.autocast(a.device.type, enabled=False):

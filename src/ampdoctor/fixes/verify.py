@@ -340,11 +340,18 @@ def _verify_rewrite(
                                                  f"({mode.applied} time(s) applied, {missed} not), so nothing "
                                                  "was proven")
     ok = last.healthy()
+    spare = math.log2(ctx.limits.max / mode.peak) if ctx.limits is not None and mode.peak > 0 else math.inf
     evidence = (
         f"re-ran the step at scale {check_scale:g} computing the rewritten arithmetic "
         f"({per_run} time(s) per step): " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
                                           if ok else "still non-finite") + note
     )
+    if ok and math.isfinite(spare):
+        evidence += f"; its results keep {spare:.2f} bits below the {ctx.low_dtype} max"
+    if ok and spare < ctx.margin_bits:
+        title = f"{rec.title} (holds at this step, with {spare:.2f} bits to spare)"
+        return dataclasses.replace(rec, title=title, verified=False, evidence=evidence + (
+            f", inside the {ctx.margin_bits:g}-bit margin"))
     return dataclasses.replace(rec, verified=ok, evidence=evidence)
 
 
