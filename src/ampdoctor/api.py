@@ -44,10 +44,11 @@ from .capture.sharded import full_model
 from .capture.state import StateGuard
 from .capture.stats import format_limits
 from .fixes.recommend import recommend
-from .fixes.verify import VerifyContext, verify_recommendations
+from .fixes.steps import parameter_bytes, train_steps, with_steps
+from .fixes.verify import VerifyContext, remedy_for, verify_recommendations
 from .records import BATCH, LOSS, ModuleInfo, PassTrace, Recommendation, RunInfo
 from .report import Report
-from .thresholds import UNDERFLOW_VERDICT_SHARE
+from .thresholds import MARGIN_BITS, UNDERFLOW_VERDICT_SHARE
 
 
 @owns_cleanup
@@ -68,6 +69,9 @@ def diagnose(
     policy: Optional[str] = None,
     memory_limit: Union[None, int, str] = None,
     progress: ProgressOption = None,
+    margin_bits: float = MARGIN_BITS,
+    verify_steps: int = 0,
+    optimizer: Optional[torch.optim.Optimizer] = None,
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -104,6 +108,17 @@ def diagnose(
         progress: show one progress line on stderr naming each pass (``True``), never (``False``), use a
             :class:`ampdoctor.capture.progress.Progress`, or call ``progress(purpose, index, total)`` as each pass
             starts. Default: shown when stderr is a terminal, silent otherwise.
+        margin_bits: a float32 fallback is *verified* only when, in the re-run with it, every instance of the fixed
+            mechanism (same module class in the same place of a repeated structure) left in low precision keeps
+            at least this many bits of headroom below the format's max (1 bit: 2x); otherwise the recommendation
+            says it holds at this step, with so many bits to spare. Instances inside the margin join the fallback.
+        verify_steps: train this many steps on the batch with the first verified float32 fallback or rewrite
+            applied, on a copy of the model, under a new GradScaler, and add to its evidence whether it holds
+            (loss finite at every step, no skipped step after the scaler's initial back-off). Memory: a copy of
+            the parameters, their gradients and the optimizer's state (about 4x the parameters; stated in the
+            report's notes and in the progress line), outside the passes' memory limit.
+        optimizer: the training loop's optimizer, for ``verify_steps``: a new one of its type is built with its
+            hyperparameters (``optimizer.defaults``) on the copy; never stepped itself. Default: AdamW(lr=1e-3).
 
     Every keyword is checked before anything runs: a value of the wrong type or range (``scale=True``,
     ``memory_limit=-1``, ``reference=-3``, ``loss_fn=3``) raises :class:`ampdoctor.InvalidInput` naming the keyword,
@@ -116,7 +131,8 @@ def diagnose(
     options = DiagnoseOptions(
         loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler, backward=backward, scale=scale,
         fp32_reference=fp32_reference, verify=verify, scale_window=scale_window, reference=reference,
-        policy=policy, memory_limit=memory_limit, progress=progress,
+        policy=policy, memory_limit=memory_limit, progress=progress, margin_bits=margin_bits,
+        verify_steps=verify_steps, optimizer=optimizer,
     )
     check_batch(batch)
     root, notes = unwrap_model(model)
@@ -267,8 +283,12 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
     recommendations = recommend(findings, run_info, modules)
     if options.verify and recommendations:
         recommendations = _verify(
-            session, runner, modules, survey, findings, recommendations, used_scale, scale_finding
+            session, runner, modules, survey, findings, recommendations, used_scale, scale_finding,
+            options.margin_bits,
         )
+    if options.verify_steps and recommendations:
+        recommendations, note = _train_steps(session, options, findings, recommendations)
+        run_info = dataclasses.replace(run_info, notes=(*run_info.notes, note))
     run_info = dataclasses.replace(run_info, passes=tuple(session.log))
     return Report(run_info, tuple(modules), final, findings, tuple(recommendations))
 
@@ -286,6 +306,38 @@ def _check_policy_notes(session: Session, findings: Findings, modules: list[Modu
     check = lambda: session.run(at_scale, variant=variant)  # noqa: E731
     cuda = session.optional("CUDA-policy check", check, None)
     return findings if cuda is None else checked_policy_notes(findings, cuda, modules)
+
+
+def _train_steps(
+    session: Session, options: DiagnoseOptions, findings: Any, recommendations: list[Recommendation]
+) -> tuple[list[Recommendation], str]:
+    """``verify_steps``: train a copy with the first verified rewrite and the first verified float32 fallback (each
+    on its own copy); each one's evidence says whether it holds."""
+    spec = session.spec
+    origin = findings.forward_origin or findings.backward_origin
+    chosen: dict[str, int] = {}
+    for i, r in enumerate(recommendations):
+        if r.verified and r.action not in chosen and remedy_for(r, origin) is not None:
+            chosen[r.action] = i
+    memory = describe(4 * parameter_bytes(spec.root))
+    if not chosen:
+        return recommendations, f"verify_steps={options.verify_steps}: no verified float32 fallback or rewrite to train"
+    out = list(recommendations)
+    for i in chosen.values():
+        remedy = remedy_for(out[i], origin)
+        assert remedy is not None
+        with session.stage(f"training {options.verify_steps} steps with recommendation {i + 1} (about {memory} extra)"):
+            result = train_steps(
+                spec.root, spec.batch, spec.loss_fn, spec.device_type, spec.dtype, options.verify_steps, remedy,
+                options.optimizer,
+            )
+        out[i] = with_steps(out[i], result)
+    numbers = ", ".join(str(i + 1) for i in chosen.values())
+    note = (
+        f"verify_steps={options.verify_steps}: trained a copy of the model with recommendation(s) {numbers} "
+        f"(about {memory} extra for the copy, its gradients and the optimizer state; nothing of yours changed)"
+    )
+    return out, note
 
 
 def _cost_notes(
@@ -343,6 +395,7 @@ def _verify(
     recommendations: list[Recommendation],
     used_scale: float,
     scale_finding: Optional[ScaleFinding],
+    margin_bits: float,
 ) -> list[Recommendation]:
     check_scale = used_scale
     if findings.forward_origin is None and scale_finding is not None and scale_finding.analysed_scale:
@@ -372,6 +425,8 @@ def _verify(
         run_other_dtype=run_bf16 if bf16_ok else None,
         run_unchanged=run_unchanged,
         device_type="cuda" if session.spec.policy == "cuda_emulated" else session.spec.device_type,
+        limits=format_limits(session.spec.dtype),
+        margin_bits=margin_bits,
     )
     return verify_recommendations(context, findings, recommendations, check_scale)
 

@@ -16,3 +16,7 @@ HIST_HIGH = 28
 GRADIENT_KEY = "<gradient>"
 # The default scale of torch.amp.GradScaler.
 DEFAULT_FP16_SCALE = 2.0**16
+
+# A remedy is verified only when the low-precision tensors on the fixed mechanism's path keep at least this many
+# bits of headroom below the format's max after the fix (diagnose(..., margin_bits=...)); 1 bit is 2x.
+MARGIN_BITS = 1.0

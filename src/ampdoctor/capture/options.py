@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..errors import InvalidInput
+from ..thresholds import MARGIN_BITS
 from .progress import Progress
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -114,8 +115,20 @@ class DiagnoseOptions:
     policy: Optional[str] = None
     memory_limit: Union[None, int, str] = None
     progress: ProgressOption = None
+    margin_bits: float = MARGIN_BITS
+    verify_steps: int = 0
+    optimizer: Any = None
 
     def __post_init__(self) -> None:
+        if not (is_int(self.verify_steps) and 0 <= self.verify_steps <= 10_000):
+            raise refuse("verify_steps", self.verify_steps, "an int from 0 (off) to 10000")
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise refuse(
+                "optimizer", self.optimizer, "a torch.optim.Optimizer (its type and defaults are reused), or None"
+            )
+        margin = self.margin_bits
+        if not (isinstance(margin, numbers.Real) and not isinstance(margin, bool) and 0 <= margin <= 8):
+            raise refuse("margin_bits", margin, "a number of bits from 0 to 8 (1 means 2x below the format's max)")
         check_callable("loss_fn", self.loss_fn, "a function loss_fn(output, batch) -> scalar tensor, or None")
         check_low_dtype("dtype", self.dtype)
         if self.device_type is not None and not (isinstance(self.device_type, str) and self.device_type):

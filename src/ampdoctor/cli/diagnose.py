@@ -115,6 +115,22 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
         help="loss scale of the backward (default: the checkpoint's GradScaler scale if it has one, else 65536 "
         "for float16, 1 for bfloat16)",
     )
+    parser.add_argument(
+        "--margin-bits",
+        type=float,
+        default=1.0,
+        metavar="B",
+        help="a float32 fallback is verified only when every instance of the fixed mechanism keeps B bits of "
+        "headroom below the format's max in the re-run (default: 1, i.e. 2x)",
+    )
+    parser.add_argument(
+        "--verify-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="train K steps on the batch (a copy of the model, AdamW lr 1e-3, GradScaler) with the first verified "
+        "fallback or rewrite, and say whether it holds (default: 0, off)",
+    )
     add_loading_options(parser)
     add_output_options(parser, FORMATS)
     parser.set_defaults(func=run_diagnose)
@@ -229,6 +245,8 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
                 scale=scale,
                 loss_fn=model_loss,
                 progress=progress,
+                margin_bits=args.margin_bits,
+                verify_steps=args.verify_steps,
             )
     except ModelRaised as exc:
         if exc.stage != "forward":

@@ -3,28 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Optional
+from typing import Any, Optional, Union
 
 from torch import nn
 
 from ..analysis import Findings, Origin, backward_origin, forward_origin
-from ..records import BATCH, LOSS, Cost, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
-from ..thresholds import SCALE_WINDOW_LOSS_SHARE
+from ..analysis.mechanisms import Instance, Mechanism, mechanism_of
+from ..records import BATCH, LOSS, Cost, FormatLimits, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
+from ..thresholds import MARGIN_BITS, SCALE_WINDOW_LOSS_SHARE
 from .fallback import Fp32Fallback
-from .recommend import fallback_snippet
+from .rewrites import FusedLog, ScaleFirst
+from .rules import rule_of
+from .snippets import fallback_snippet
 
-# How many modules the loop adds before it gives up (each round is one re-run).
+# How many re-runs the loop makes before it gives up (each round adds an origin's mechanism, or the instances
+# still inside the margin).
 MAX_FALLBACK_ROUNDS = 4
 # A fallback set doing this share of the step's low-precision work (Linear/Conv FLOPs, or activation bytes) gives
-# up AMP itself: not a recommendation. Parameters do not count: a fixed DFT basis is large and cheap to run.
+# up most of AMP: still listed when it works (never withhold a working fix), with that said in its evidence.
+# Parameters do not count: a fixed DFT basis is large and cheap to run.
 MAX_FALLBACK_WORK_SHARE = 0.9
 # Bytes per element of the low-precision formats (what a float32 copy costs extra per element).
 _EXTRA_BYTES = {"float16": 2, "bfloat16": 2}
 _MATMUL_CLASSES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
 RunFn = Callable[[float], PassTrace]
-_CODE_FIXES = frozenset({"mask_constant", "fix_code", "fix_batch", "fix_loss", "fix_weights"})
+_CODE_FIXES = frozenset({"rewrite", "mask_constant", "fix_code", "fix_batch", "fix_loss", "fix_weights"})
 
 
 @dataclasses.dataclass
@@ -40,6 +46,8 @@ class VerifyContext:
     device_type: str = "cpu"  # the autocast device of the user's loop (for snippets)
     # The unchanged step at a scale, served from the passes the diagnosis already ran when it has one.
     run_unchanged: Optional[RunFn] = None
+    limits: Optional[FormatLimits] = None  # the format's limits (None: no margin or mechanism check)
+    margin_bits: float = MARGIN_BITS
 
 
 def _origin_of(trace: PassTrace, modules: list[ModuleInfo]) -> Optional[Origin]:
@@ -117,46 +125,99 @@ def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> tu
     return changed, followed
 
 
-def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> Recommendation:
-    """Run the origin in float32, re-run; add each new origin; stop when the step is finite or after a bound.
+def _hiding(trace: PassTrace) -> set[str]:
+    """Modules with an op that made inf/NaN from finite inputs in ``trace`` (``capture.hidden``'s records, when
+    the pass recorded them): hidden overflows count in the grouping and in the margin."""
+    return {o.module for o in getattr(trace, "op_overflows", ()) if getattr(o, "count", None) != 0}
 
-    Every candidate is tried before the answer is "none worked"; a candidate is refused only when running it in
-    float32 would give up most of AMP (``MAX_FALLBACK_WORK_SHARE`` of the step's low-precision work).
+
+def _mechanisms(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> list[Mechanism]:
+    limits = ctx.limits
+    if limits is None:
+        return []
+    found = (mechanism_of(trace, m, limits, ctx.margin_bits, _hiding(trace)) for m in chosen)
+    unique = {(m.class_name, m.pattern): m for m in found if m is not None}
+    return list(unique.values())
+
+
+def _group(ctx: VerifyContext, module: str, chosen: list[str]) -> list[str]:
+    """``module`` and every other instance of its mechanism that needs the remedy at the diagnosed step."""
+    mechs = _mechanisms(ctx, ctx.baseline, [module])
+    need = [m for mech in mechs for m in mech.needing if m != module and m not in chosen]
+    return [module, *need]
+
+
+def _rerun(ctx: VerifyContext, chosen: list[str], check_scale: float) -> tuple[PassTrace, str]:
+    with Fp32Fallback(ctx.root, chosen):
+        last = ctx.run(check_scale)
+        if last.forward_healthy() and not last.healthy() and check_scale > 1:
+            # Gradients that are finite at scale 1 are a loss-scale overflow, which GradScaler handles.
+            at_one = ctx.run(1.0)
+            if at_one.healthy():
+                note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
+                return at_one, note
+    return last, ""
+
+
+def _inside_margin(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> list[Instance]:
+    """Instances of the fixed mechanisms still in low precision that overflow, hide one, or keep less than the
+    margin in ``trace`` (the re-run with the fix)."""
+    mechs = _mechanisms(ctx, trace, chosen)
+    return [i for mech in mechs for i in mech.instances if i.reason and i.module not in chosen]
+
+
+def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> Recommendation:
+    """Run the origin's mechanism in float32, re-run; add each new origin and each instance of the mechanism still
+    inside the margin; stop when the step is finite with the margin kept, or after a bound.
+
+    The root is never a fallback (it is the whole model); any other set that works is listed with its cost, even
+    when it runs most of the step's low-precision work in float32 (the evidence says how much).
     """
     chosen: list[str] = []
     scale_note = ""
     current: Optional[Origin] = origin
     tried: list[str] = []
     last: Optional[PassTrace] = None
-    while current is not None:
-        if current.module in (LOSS, BATCH):
-            return _unverified(origin, chosen, tried, f"the origin is then {current.label}, which no float32 "
-                                                   "fallback of a module can fix")
-        if current.module in chosen:
-            return _unverified(origin, chosen, tried, f"{current.label} stays the origin even in float32")
-        share = work_share(ctx.baseline, ctx.modules, [*chosen, current.module], ctx.low_dtype)
-        if current.module == "" or share >= MAX_FALLBACK_WORK_SHARE:
-            what = "the whole model" if current.module == "" else f"{share:.0%} of the step's low-precision work"
-            return _unverified(origin, chosen, tried, f"adding {current.label} would run {what} in float32, "
-                                                   "giving up AMP itself")
-        if len(chosen) == MAX_FALLBACK_ROUNDS:
-            return _unverified(origin, chosen, tried, f"the origin moved on to {current.label} (the bound is "
-                                                   f"{MAX_FALLBACK_ROUNDS} modules)")
-        chosen.append(current.module)
+    add: list[str] = []
+    while current is not None or add:
+        if current is not None:
+            if current.module in (LOSS, BATCH):
+                return _unverified(origin, chosen, tried, f"the origin is then {current.label}, which no float32 "
+                                                       "fallback of a module can fix")
+            if current.module in chosen:
+                return _unverified(origin, chosen, tried, f"{current.label} stays the origin even in float32")
+            if current.module == "":
+                return _unverified(origin, chosen, tried, f"adding {current.label} would run the whole model in "
+                                                       "float32, giving up AMP itself")
+            add = _group(ctx, current.module, chosen)
+        if len(tried) >= MAX_FALLBACK_ROUNDS:
+            what = current.label if current is not None else ", ".join(add)
+            return _unverified(origin, chosen, tried, f"the origin moved on to {what} (the bound is "
+                                                   f"{MAX_FALLBACK_ROUNDS} re-runs)")
+        chosen += add
         tried.append(", ".join(chosen))
-        with Fp32Fallback(ctx.root, chosen):
-            last = ctx.run(check_scale)
-            if last.forward_healthy() and not last.healthy() and check_scale > 1:
-                # Gradients that are finite at scale 1 are a loss-scale overflow, which GradScaler handles.
-                at_one = ctx.run(1.0)
-                if at_one.healthy():
-                    scale_note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
-                    last = at_one
+        last, scale_note = _rerun(ctx, chosen, check_scale)
+        current, add = None, []
         if last.healthy():
-            break
+            add = [i.module for i in _inside_margin(ctx, last, chosen)]
+            if add and len(tried) >= MAX_FALLBACK_ROUNDS:
+                break  # reported below as holding at this step, without the margin
+            continue
         current = _origin_of(last, ctx.modules)
     if last is None or not last.healthy():
         return _unverified(origin, chosen, tried, "the step stayed non-finite and no origin could be placed")
+    return _finished(ctx, chosen, last, check_scale, scale_note)
+
+
+def _spare_bits(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> float:
+    """The smallest headroom left on the fixed mechanisms' low-precision outputs in the re-run."""
+    mechs = _mechanisms(ctx, trace, chosen)
+    bits = [i.headroom_bits for mech in mechs for i in mech.instances if i.module not in chosen]
+    return min(bits, default=math.inf)
+
+
+def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scale: float, scale_note: str
+              ) -> Recommendation:
     changed, followed = _dtype_changes(ctx.baseline, last, chosen)
     kept = sum(
         1
@@ -168,16 +229,30 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
         + (" and backward" if last.backward_ran else "")
         + f" finite; {kept} other call(s) still produced {ctx.low_dtype}{scale_note}"
     )
+    for mech in _mechanisms(ctx, ctx.baseline, chosen):
+        if len(mech.instances) > 1:
+            evidence += f"; {mech.sentence(chosen)}"
     if followed:
         evidence += f"; {len(followed)} call(s) after it ran on its float32 output ({', '.join(followed[:3])})"
     if changed:
         evidence += f"; but {len(changed)} call(s) outside the set changed dtype: {', '.join(changed[:5])}"
+    share = work_share(ctx.baseline, ctx.modules, chosen, ctx.low_dtype)
+    if share >= MAX_FALLBACK_WORK_SHARE:
+        evidence += f"; it runs {share:.0%} of the step's low-precision work in float32 (little of AMP is left)"
+    tight = _inside_margin(ctx, last, chosen)
+    title = f"run {', '.join(chosen)} in float32; AMP stays on everywhere else"
+    if tight:
+        spare = _spare_bits(ctx, last, chosen)
+        title += f" (holds at this step, with {spare:.2f} bits to spare)"
+        evidence += f"; inside the {ctx.margin_bits:g}-bit margin: " + ", ".join(
+            f"{i.module} ({i.reason})" for i in tight[:4]
+        )
     return Recommendation(
         action="fp32_fallback",
         modules=tuple(chosen),
-        title=f"run {', '.join(chosen)} in float32; AMP stays on everywhere else",
+        title=title,
         snippet=fallback_snippet(chosen, ctx.device_type),
-        verified=not changed,
+        verified=not changed and not tight,
         evidence=evidence,
         cost=fallback_cost(ctx.baseline, ctx.modules, chosen, ctx.low_dtype),
     )
@@ -208,7 +283,7 @@ def verify_recommendations(
     out: list[Recommendation] = []
     for rec in recs:
         try:
-            out.append(_verify_one(ctx, findings, rec, origin, check_scale))
+            out.append(dataclasses.replace(_verify_one(ctx, findings, rec, origin, check_scale), rule=rec.rule))
         except Exception as exc:  # a re-run that cannot run (float16-only kernel, out of memory): say so
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
             # Never offered as if it worked: the snippet would raise the same error in the user's training.
@@ -227,14 +302,21 @@ def verify_recommendations(
 def _verify_one(
     ctx: VerifyContext, findings: Findings, rec: Recommendation, origin: Optional[Origin], check_scale: float
 ) -> Recommendation:
-    if rec.action == "fp32_fallback" and origin is not None and rec.modules == (origin.module,):
+    rule = rule_of(rec)
+    kind = rule.verify if rule is not None else None
+    if kind == "fallback" and origin is not None and rec.modules == (origin.module,):
         return verify_fallback(ctx, origin, check_scale)
-    if rec.action == "bf16" and ctx.run_other_dtype is not None:
+    if kind == "rewrite" and rule is not None and rule.rewrite in ("sigmoid", "softmax"):
+        return _verify_rewrite(ctx, rec, FusedLog(rule.rewrite), check_scale)  # type: ignore[arg-type]
+    loc = origin.op.location if origin is not None and origin.op is not None else None
+    if kind == "rewrite" and rule is not None and rule.rewrite == "scale_first" and loc is not None:
+        return _verify_rewrite(ctx, rec, ScaleFirst(loc.file, loc.line), check_scale)
+    if kind == "bf16" and ctx.run_other_dtype is not None:
         ok = ctx.run_other_dtype(1.0).healthy()
         outcome = "forward and backward finite" if ok else "still non-finite"
         return dataclasses.replace(rec, verified=ok, evidence=f"re-ran the step in bfloat16 (unscaled): {outcome}")
     scale = _proposed_scale(findings)
-    if rec.action == "loss_scale" and scale is not None:
+    if kind == "loss_scale" and scale is not None:
         ok = (ctx.run_unchanged or ctx.run)(scale).healthy()
         evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
         window = findings.window
@@ -244,6 +326,40 @@ def _verify_one(
             ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
         return dataclasses.replace(rec, verified=ok, evidence=evidence)
     return rec
+
+
+def _verify_rewrite(
+    ctx: VerifyContext, rec: Recommendation, mode: Union[FusedLog, ScaleFirst], check_scale: float
+) -> Recommendation:
+    """Re-run the step with the rewrite's own arithmetic (fixes.rewrites): verified when it was applied at least
+    once, everywhere the pattern ran, and the step came out finite."""
+    with mode:
+        last = ctx.run(check_scale)
+        per_run = mode.applied
+        note = ""
+        if last.forward_healthy() and not last.healthy() and check_scale > 1:
+            at_one = ctx.run(1.0)
+            if at_one.healthy():
+                last, note = at_one, f"; the backward overflows at scale {check_scale:g} but is finite at 1"
+    missed = mode.missed if isinstance(mode, ScaleFirst) else 0
+    if not mode.applied or missed:
+        return dataclasses.replace(rec, evidence="re-ran the step with the rewrite: the pattern was not met "
+                                                 f"({mode.applied} time(s) applied, {missed} not), so nothing "
+                                                 "was proven")
+    ok = last.healthy()
+    spare = math.log2(ctx.limits.max / mode.peak) if ctx.limits is not None and mode.peak > 0 else math.inf
+    evidence = (
+        f"re-ran the step at scale {check_scale:g} computing the rewritten arithmetic "
+        f"({per_run} time(s) per step): " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
+                                          if ok else "still non-finite") + note
+    )
+    if ok and math.isfinite(spare):
+        evidence += f"; its results keep {spare:.2f} bits below the {ctx.low_dtype} max"
+    if ok and spare < ctx.margin_bits:
+        title = f"{rec.title} (holds at this step, with {spare:.2f} bits to spare)"
+        return dataclasses.replace(rec, title=title, verified=False, evidence=evidence + (
+            f", inside the {ctx.margin_bits:g}-bit margin"))
+    return dataclasses.replace(rec, verified=ok, evidence=evidence)
 
 
 def _proposed_scale(findings: Findings) -> Optional[float]:
@@ -257,3 +373,18 @@ def _proposed_scale(findings: Findings) -> Optional[float]:
 
 def _needs_fix(findings: Findings) -> bool:
     return findings.scale is not None and not findings.scale.harmless
+
+
+def remedy_for(rec: Recommendation, origin: Optional[Origin]) -> Optional[Callable[[nn.Module], Any]]:
+    """How to apply a recommendation to a copy of the model for training steps (None: not applicable)."""
+    rule = rule_of(rec)
+    if rec.action == "fp32_fallback" and rec.modules:
+        return lambda model: Fp32Fallback(model, rec.modules)
+    if rule is None or rule.verify != "rewrite":
+        return None
+    if rule.rewrite in ("sigmoid", "softmax"):
+        return lambda model: FusedLog(rule.rewrite)  # type: ignore[arg-type]
+    loc = origin.op.location if origin is not None and origin.op is not None else None
+    if rule.rewrite == "scale_first" and loc is not None:
+        return lambda model: ScaleFirst(loc.file, loc.line)
+    return None

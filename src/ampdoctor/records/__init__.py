@@ -30,6 +30,7 @@ Action = Literal[
     "mask_constant",  # a fill constant that fits the format
     "keep_in_fp32",  # Hugging Face _keep_in_fp32_modules
     "fix_code",  # compute one op in float32 (the origin is the root's own code)
+    "rewrite",  # a code-level rewrite of the origin's line (log(sigmoid(x)) -> F.logsigmoid(x), ...)
     "fix_batch",  # the batch holds inf/NaN
     "fix_loss",  # the loss function made it
     "fix_weights",  # the weights are already non-finite
@@ -441,3 +442,4 @@ class Recommendation:
     verified: bool = False  # True only when a re-run with the change applied came out finite
     evidence: str = ""  # what the verification run showed (or why there was none)
     cost: Optional[Cost] = None
+    rule: str = ""  # the name of the rule that proposed it (fixes.rules.RULES); "" in older reports

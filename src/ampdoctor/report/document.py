@@ -11,9 +11,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from ..analysis import Divergence, Origin
 from ..records import BATCH, LOSS, OpFinding, Recommendation, SourceLocation, TensorStats
-from .hidden_rows import HIDDEN_HEADERS, hidden_note, hidden_rows, hidden_title
 from .numbers import fmt_num
-from .rows import ReportRows, bits_text
 
 if TYPE_CHECKING:
     from .report import Report
@@ -169,11 +167,11 @@ class Document:
     alerts: tuple[str, ...] = ()  # facts that change what the report means, shown right under the head
 
 
-def _names(labels: tuple[str, ...], limit: int = INLINE_NAMES) -> str:
+def inline_names(labels: tuple[str, ...], limit: int = INLINE_NAMES) -> str:
     return ", ".join(labels[:limit]) + (" ..." if len(labels) > limit else "")
 
 
-def _origin_section(origin: Origin, scale: float) -> Section:
+def origin_section(origin: Origin, scale: float) -> Section:
     lines = describe_origin(origin, scale)
     blocks: list[Block] = [Para(line.strip()) for line in lines[1:] if not line.startswith("    ")]
     if origin.op is not None and origin.op.location is not None:
@@ -181,7 +179,8 @@ def _origin_section(origin: Origin, scale: float) -> Section:
     return Section(lines[0], tuple(blocks), kind="origin")
 
 
-def _table(headers: tuple[str, ...], rows: list[list[object]], total: int = 0) -> Table:
+def make_table(headers: tuple[str, ...], rows: list[list[object]], total: int = 0) -> Table:
+    """A table of ``rows``; ``total``: how many rows there were before a cut (the rest are said to be left out)."""
     return Table(headers, tuple(tuple(str(v) for v in row) for row in rows), max(0, total - len(rows)))
 
 
@@ -207,142 +206,6 @@ def divergence_lines(d: Divergence) -> list[str]:
         ))
     lines.append(f"then bad steps from step {d.skipped_from}")
     return lines
-
-
-def build_document(report: Report, max_rows: int = 20) -> Document:
-    """Everything the text and markdown reports say, in order."""
-    f, run = report.findings, report.run
-    origin = f.forward_origin or f.backward_origin
-    head = verdict_text(report) + (f" - {origin.direction} origin: {origin.label}" if origin is not None else "")
-    if not run.backward_checked:
-        head += " (forward only: no gradient was checked)"
-    if f.divergence is not None:
-        head += f" - divergence from step {f.divergence.began}"
-    backward = (
-        f"loss scale {fmt_num(run.scale)} ({run.scale_source}), loss from {run.loss_source}"
-        if run.backward_checked
-        else "forward only"
-    )
-    facts = (
-        f"{run.limits.dtype} autocast on {run.device}, {backward}, torch {run.torch_version}, "
-        f"{len(report.trace.calls)} module calls"
-    )
-    sections: list[Section] = []
-    if f.divergence is not None:
-        said = [Para(line) for line in divergence_lines(f.divergence)]
-        said += [Para(f"try: {advice}", 2) for advice in f.divergence.advice]
-        sections.append(Section(DIVERGENCE_TITLE, tuple(said)))
-    for origin_ in (f.forward_origin, f.backward_origin):
-        if origin_ is not None:
-            sections.append(_origin_section(origin_, report.trace.scale))
-    if f.propagation:
-        title = f"Propagation: {len(f.propagation)} other call(s) carry the bad values"
-        sections.append(Section(title, (Para(_names(f.propagation)),)))
-    if f.hidden:
-        hidden_table = _table(HIDDEN_HEADERS, [list(r) for r in hidden_rows(f.hidden, max_rows)])
-        sections.append(Section(hidden_title(f.hidden), (Para(hidden_note(f.hidden)), hidden_table)))
-    if f.scale is not None:
-        s = f.scale
-        probes = ", ".join(f"{fmt_num(p.scale)}:{'ok' if p.gradients_finite else 'inf'}" for p in s.probes)
-        body: list[Block] = [Para(f"gradients non-finite at scale {fmt_num(s.used_scale)}; re-run at {probes}")]
-        if s.largest_finite_scale is None:
-            body.append(Para("non-finite even at scale 1: a real defect, not a loss-scale problem"))
-        else:
-            share = s.lost_share_at_largest
-            body.append(
-                Para(
-                    f"largest finite scale {fmt_num(s.largest_finite_scale)}; gradient values lost to zero there: "
-                    + (f"{share:.2%}" if share is not None else "unknown")
-                    + (" (harmless)" if s.harmless else "")
-                )
-            )
-        sections.append(Section("Loss scale", tuple(body)))
-    if f.window is not None:
-        w = f.window
-        if w.empty:
-            first = f"empty: no power-of-two scale avoids overflow and keeps 99% of gradient values ({w.reference})"
-        else:
-            where = "inside" if w.contains_current else "OUTSIDE"
-            first = (
-                f"useful scales [{fmt_num(w.min_useful)}, {fmt_num(w.max_safe)}]; "
-                f"current {fmt_num(w.current)} is {where} ({w.reference})"
-            )
-        probes = ", ".join(
-            f"{fmt_num(p.scale)}:" + (f"{p.lost_share:.1%} lost" if p.lost_share is not None else "inf")
-            for p in w.probes
-        )
-        sections.append(Section("Loss-scale window", (Para(first), Para(f"measured at {probes}"))))
-    if f.precision is not None:
-        prec = f.precision
-        body = [Para(f"error jumps at {prec.jump}" if prec.jump else "no call stands out")]
-        if prec.underflow_calls:
-            body.append(Para(f"forward underflow (nonzero in float32, zero here) in: {_names(prec.underflow_calls)}"))
-        rows: list[list[object]] = [
-            [c.label, c.path, fmt_num(c.relative_error), fmt_num(c.sqnr_db), c.underflow_count, c.reference_nonzero]
-            for c in sorted(prec.comparisons, key=lambda c: -c.relative_error)[:max_rows]
-        ]
-        body.append(_table(("call", "tensor", "rel. error", "SQNR dB", "underflowed", "fp32 nonzero"), rows,
-                           len(prec.comparisons)))
-        sections.append(Section("Against a float32 re-run of each call", tuple(body)))
-    if f.underflow is not None:
-        u = f.underflow
-        body = [
-            Para(
-                f"{u.lost} of {u.reference_nonzero} nonzero gradient values ({u.share:.2%}) became zero; "
-                f"reference: {u.reference}"
-            )
-        ]
-        rows = [[s.module or "<root>", s.lost, s.reference_nonzero, f"{s.share:.1%}"] for s in u.spots[:max_rows]]
-        if rows:
-            body.append(_table(("module", "lost", "ref nonzero", "share"), rows, len(u.spots)))
-        sections.append(Section("Gradient underflow", tuple(body)))
-    if f.near_limit:
-        rows = [[n.label, n.tensor, fmt_num(n.abs_max), f"{n.headroom_bits:.2f}"] for n in f.near_limit[:max_rows]]
-        sections.append(
-            Section(
-                f"Near the {run.limits.dtype} max (< 1 bit of headroom)",
-                (_table(("call", "tensor", "|x|max", "headroom bits"), rows, len(f.near_limit)),),
-            )
-        )
-    if f.not_captured:
-        title = (
-            f"Gradient not observed for {len(f.not_captured)} call(s) (output unused by the loss, or not capturable)"
-        )
-        sections.append(Section(title, (Para(_names(f.not_captured, 10)),)))
-    if f.warnings:
-        sections.append(Section("Warnings", tuple(Para(w) for w in f.warnings)))
-    items = []
-    for i, rec in enumerate(report.recommendations, 1):
-        details = [f"evidence: {rec.evidence}"] if rec.evidence else []
-        cost = cost_text(rec)
-        if cost is not None:
-            details.append(f"cost: {cost}")
-        items.append(Item(i, rec.title, rec.verified, tuple(details), rec.snippet))
-    if items:
-        sections.append(Section("Recommendations", tuple(items)))
-    steps = _steps(report, max_rows)
-    if steps:
-        sections.append(Section("Training steps", tuple(steps)))
-    if report.trace.calls:
-        ranked = ReportRows.of(report).by_headroom()
-        table = _table(
-            ("call", "class", "tensor", "dtype", "|x|max", "headroom bits"),
-            [
-                [r.label, r.class_name, r.tensor, r.stats.dtype, fmt_num(r.stats.abs_max), bits_text(r.headroom_bits)]
-                for r in ranked[:max_rows]
-            ],
-            len(ranked),
-        )
-        sections.append(Section("Layers by headroom", (table,)))
-    notes = [n for n in (run.autocast_note, *run.notes) if n]
-    if notes:
-        sections.append(Section("Notes", tuple(Para(n) for n in notes)))
-    failed = failed_passes(report)
-    if failed:
-        title = f"{len(failed)} optional pass(es) failed or skipped; the findings stand on the others"
-        at = len(sections) - 1 if sections and sections[-1].title == "Notes" else len(sections)
-        sections.insert(at, Section(title, tuple(Para(line) for line in failed)))
-    return Document(f.verdict, head, facts, tuple(sections), alerts(report))
 
 
 def verdict_text(report: Report) -> str:
@@ -371,30 +234,3 @@ def failed_passes(report: Report) -> list[str]:
     """One line per optional pass that failed or was skipped (would not fit in memory): what it was for, why."""
     missed = [p for p in report.run.passes if p.status != "ran"]
     return [f"{p.purpose} ({p.dtype}, scale {fmt_num(p.scale)}): {p.status}: {p.reason}" for p in missed]
-
-
-def _steps(report: Report, max_rows: int) -> list[Block]:
-    """For ``ampdoctor.watch`` reports: the scale history and every skipped step with its explanation."""
-    steps = report.steps
-    if not steps:
-        return []
-    skipped = [s for s in steps if s.skipped]
-    scales = [steps[0].scale] + [s.scale for a, s in zip(steps, steps[1:]) if s.scale != a.scale]
-    history = " -> ".join(f"{fmt_num(v)}" for v in scales[:12]) + (" ..." if len(scales) > 12 else "")
-    body: list[Block] = [Para(f"{len(steps)} step(s) recorded, {len(skipped)} skipped; scale {history}")]
-    rows: list[list[object]] = [
-        [
-            s.step,
-            s.rank,
-            f"{fmt_num(s.scale)}",
-            s.run or "-",
-            "finite" if s.forward_finite else "non-finite",
-            s.forward_origin or "-",
-            s.backward_origin or "-",
-        ]
-        for s in skipped[:max_rows]
-    ]
-    if rows:
-        headers = ("skipped step", "rank", "scale", "run", "forward", "forward origin", "backward origin")
-        body.append(_table(headers, rows, len(skipped)))
-    return body

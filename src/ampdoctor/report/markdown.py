@@ -6,9 +6,10 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from .document import Document, Item, Para, Source, Table, build_document
+from .document import Document, Item, Para, Source, Table
 from .inert import inert
 from .rows import left_out_line
+from .sections import build_document
 
 if TYPE_CHECKING:
     from .report import Report

@@ -6,9 +6,10 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
-from .document import Document, Item, Para, Source, Table, build_document, describe_bad, describe_origin, fmt_num
+from .document import Document, Item, Para, Source, Table, describe_bad, describe_origin, fmt_num
 from .inert import inert
 from .rows import left_out_line
+from .sections import build_document
 
 if TYPE_CHECKING:
     from .report import Report
