@@ -67,7 +67,7 @@ def test_a_remedy_whose_verification_raises_is_not_offered() -> None:
     ctx = VerifyContext(root=nn.Linear(1, 1), modules=[], baseline=None, low_dtype="float16",  # type: ignore[arg-type]
                         run=boom, run_other_dtype=boom)  # type: ignore[arg-type]
     rec = Recommendation(action="bf16", modules=(), title="train in bfloat16", snippet="dtype=torch.bfloat16",
-                         verified=False, evidence="")
+                         verified=False, evidence="", rule="forward_bf16")  # verified by the bfloat16 re-run
     findings = Findings(verdict="overflow", forward_origin=None, backward_origin=None, propagation=(),
                         near_limit=(), underflow=None, scale=None, not_captured=(), warnings=())
     (out,) = verify_recommendations(ctx, findings, [rec], 1.0)

@@ -68,7 +68,7 @@ def test_the_first_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.M
     assert report.steps[BLOWUP_STEP].captured and not report.steps[0].captured  # the first back-off: quiet
     assert_honest(report, loss_fn_passed=False)
     assert "OVERFLOW" in capsys.readouterr().out  # print(doctor.report())
-    assert (tmp_path / f"ampdoctor-bundle-step{BLOWUP_STEP}.pt").exists()
+    assert (tmp_path / "ampdoctor-bundles" / f"ampdoctor-bundle-step{BLOWUP_STEP}.pt").exists()
 
 
 def test_the_loss_fn_example_replays_the_loss_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
