@@ -487,17 +487,13 @@ def test_watch_sees_gradscaler_back_off_below_one_and_names_the_loss(tmp_path: A
     assert snapshot(model).hook_counts == before.hook_counts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (rendering): when the gradients are non-finite already at the used scale 1, the text report's "
-    "'Loss scale' section prints 'gradients non-finite at scale 1; re-run at ' followed by nothing (an empty "
-    "list of probes).",
-)
 def test_scale_section_has_no_empty_probe_list() -> None:
+    """Non-finite gradients already at scale 1: no lower scale to re-run at, and the report says no empty list."""
     model, batch, kwargs = cases.sigmoid_bce()
     report = _diagnose(model, batch, scale=1.0, **kwargs)
-    assert report.findings.scale is not None
-    assert "re-run at \n" not in report.to_text() + "\n", report.to_text()
+    assert report.findings.scale is not None and report.findings.scale.probes == ()
+    text = report.to_text()
+    assert "gradients non-finite at scale 1\n" in text and "re-run at" not in text, text
 
 
 # -- NVIDIA/apex#93: an additive mask (1 - mask) * -1e9 is -inf in float16 ----------------------------------------

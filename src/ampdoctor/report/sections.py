@@ -91,7 +91,8 @@ def loss_scale_section(report: Report, max_rows: int) -> list[Section]:
     if s is None:
         return []
     probes = ", ".join(f"{fmt_num(p.scale)}:{'ok' if p.gradients_finite else 'inf'}" for p in s.probes)
-    body: list[Block] = [Para(f"gradients non-finite at scale {fmt_num(s.used_scale)}; re-run at {probes}")]
+    rerun = f"; re-run at {probes}" if probes else ""  # at scale 1 there is no lower scale to re-run at
+    body: list[Block] = [Para(f"gradients non-finite at scale {fmt_num(s.used_scale)}{rerun}")]
     if s.largest_finite_scale is None:
         body.append(Para("non-finite even at scale 1: a real defect, not a loss-scale problem"))
     else:
