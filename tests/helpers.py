@@ -116,3 +116,20 @@ def constant_linear(n_in: int, n_out: int, value: float) -> nn.Linear:
     with torch.no_grad():
         layer.weight.fill_(value)
     return layer
+
+
+def pass_spec(model: nn.Module, batch: torch.Tensor, backward: bool = True) -> Any:
+    """A float16 CPU :class:`~ampdoctor.capture.passes.PassSpec` of one step of ``model`` on ``batch`` (no loss
+    function: the output's sum), for tests that run a single pass."""
+    from ampdoctor.capture.passes import PassSpec
+
+    return PassSpec(
+        root=model,
+        names={id(m): n for n, m in model.named_modules()},
+        params=list(model.named_parameters()),
+        batch=batch,
+        loss_fn=None,
+        device_type="cpu",
+        dtype=torch.float16,
+        backward=backward,
+    )

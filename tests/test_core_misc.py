@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from helpers import ampdoctor_frames_during, plain_amp_step, snapshot
+from helpers import ampdoctor_frames_during, pass_spec, plain_amp_step, snapshot
 from torch import nn
 
 import ampdoctor
 from ampdoctor.capture.options import PassOptions
-from ampdoctor.capture.passes import PassSpec, run_pass
+from ampdoctor.capture.passes import run_pass
 from ampdoctor.cli.main import main
 from ampdoctor.demo import DEMO_ORIGIN, demo_loss, make_demo
 
@@ -135,19 +135,6 @@ def test_fp32_fallback_context_manager_and_instance_forward() -> None:
 # -- capture discipline ------------------------------------------------------------------------------------
 
 
-def _spec(model: nn.Module, batch: torch.Tensor) -> PassSpec:
-    return PassSpec(
-        root=model,
-        names={id(m): n for n, m in model.named_modules()},
-        params=list(model.named_parameters()),
-        batch=batch,
-        loss_fn=None,
-        device_type="cpu",
-        dtype=torch.float16,
-        backward=True,
-    )
-
-
 def test_one_readback_per_pass_and_no_item_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(5)])
@@ -163,7 +150,7 @@ def test_one_readback_per_pass_and_no_item_calls(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(torch.Tensor, "item", counting("item", original_item))
     monkeypatch.setattr(torch.Tensor, "tolist", counting("tolist", original_tolist))
-    trace, _ = run_pass(_spec(model, torch.randn(4, 8)), 1024.0)
+    trace, _ = run_pass(pass_spec(model, torch.randn(4, 8)), 1024.0)
     assert counts == {"item": 0, "tolist": 1}
     assert len(trace.calls) == 1 + 5 + 10 and trace.backward_ran  # root, 5 Sequential, 5 Linear + 5 ReLU
     assert len([e for e in trace.grad_events if e.kind == "param"]) == 10
@@ -176,7 +163,7 @@ def test_survey_keeps_no_activation_alive() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     refs: list[weakref.ref[torch.Tensor]] = []
     hook = model[0].register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
-    trace, _ = run_pass(_spec(model, torch.randn(4, 8)), 1.0, PassOptions(detailed=True))
+    trace, _ = run_pass(pass_spec(model, torch.randn(4, 8)), 1.0, PassOptions(detailed=True))
     hook.remove()
     gc.collect()
     assert refs and all(r() is None for r in refs)
@@ -223,7 +210,7 @@ def test_the_gradient_hooks_keep_no_activation_alive_during_the_pass() -> None:
         alive.append(sum(r() is not None for r in refs))
         return out.float().mean()
 
-    spec = _spec(model, torch.randn(4, 8))
+    spec = pass_spec(model, torch.randn(4, 8))
     spec.loss_fn = loss_fn
     run_pass(spec, 1.0)
     assert alive == [0]  # the outputs of the first two Scale calls are gone before the backward

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_untouched, snapshot
+from helpers import assert_untouched, pass_spec, snapshot
 from torch import nn
 
 import ampdoctor
@@ -225,18 +225,9 @@ def _survey_overflows(model: nn.Module, batch: torch.Tensor) -> tuple[object, ..
 
 
 def _survey_overflows_trace(model: nn.Module, batch: torch.Tensor) -> PassTrace:
-    from ampdoctor.capture.passes import PassSpec, run_pass
+    from ampdoctor.capture.passes import run_pass
 
-    spec = PassSpec(
-        root=model,
-        names={id(m): n for n, m in model.named_modules()},
-        params=list(model.named_parameters()),
-        batch=batch,
-        loss_fn=None,
-        device_type="cpu",
-        dtype=torch.float16,
-        backward=False,
-    )
+    spec = pass_spec(model, batch, backward=False)
     trace, _ = run_pass(spec, 1.0)
     assert all(not o.classified and o.count is None for o in trace.op_overflows)
     return trace
