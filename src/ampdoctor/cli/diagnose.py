@@ -181,7 +181,12 @@ def run_diagnose(args: argparse.Namespace) -> int:
     warn_unsafe(args)
     with progress_for(args) as progress, warnings_as_notes() as warned:
         progress.stage("starting (importing torch)")
-        report = _run_diagnose(args, plan, globals_, progress)
+        import torch
+
+        # The model factory and a random batch draw from torch's CPU RNG: a caller of main() gets it back as it was,
+        # also when a Ctrl-C stops the run inside the factory (before diagnose's own RNG snapshot).
+        with torch.random.fork_rng(devices=[]):
+            report = _run_diagnose(args, plan, globals_, progress)
     inputs += _source_files(args)  # -o must not replace the factory's (or loss's) own source either
     emit(render(with_notes(report, warned), args.format), args.output, inputs)
     return report.exit_code
