@@ -41,7 +41,7 @@ def _fill(constant: float) -> OpFinding:
 def test_rules_are_complete_and_named_once() -> None:
     assert len(RULES_BY_NAME) == len(RULES)
     for rule in RULES:
-        assert rule.verify in ("fallback", "bf16", "loss_scale", "rewrite", "none") and rule.cost
+        assert rule.verify in ("fallback", "bf16", "loss_scale", "rewrite", "upcast", "none") and rule.cost
         assert (rule.verify == "rewrite") == bool(rule.rewrite)
 
 

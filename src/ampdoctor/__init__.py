@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .api import diagnose
     from .checkpoint.scan import scan
     from .fixes.fallback import Fp32Fallback, fp32_fallback
+    from .fixes.upcast import Fp32Op, fp32_op
     from .report.scan_report import ScanReport
     from .training.replay import replay_bundle
     from .training.runtime import Watch, watch
@@ -36,6 +37,8 @@ _LAZY = {
     "diagnose": "api",
     "fp32_fallback": "fixes.fallback",
     "Fp32Fallback": "fixes.fallback",
+    "fp32_op": "fixes.upcast",
+    "Fp32Op": "fixes.upcast",
     "scan": "checkpoint.scan",
     "ScanReport": "report.scan_report",
     "watch": "training.runtime",
@@ -57,6 +60,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointRefused",
     "Fp32Fallback",
+    "Fp32Op",
     "InternalError",
     "InvalidInput",
     "ModelRaised",
@@ -68,6 +72,7 @@ __all__ = [
     "__version__",
     "diagnose",
     "fp32_fallback",
+    "fp32_op",
     "replay_bundle",
     "scan",
     "watch",

@@ -17,13 +17,15 @@ from typing import Literal, Optional
 
 from ..analysis import Findings, NearLimit, Origin
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
+from .rules_upcast import UPCAST_COST, op_site_applies, propose_op_upcast
 from .snippets import fallback_snippet, scale_literal
 
 Situation = Literal["batch", "loss", "weights", "forward", "scale", "backward", "no_window", "other"]
 # How a proposal is proven by a re-run (see fixes/verify.py): the float32 fallback loop from the origin, the step
 # in bfloat16, the unchanged step at the proposed loss scale; "none": a code change the re-run cannot apply.
 # "rewrite": the step re-run with the rewrite's arithmetic (fixes.rewrites), which must be applied and finite.
-VerifyKind = Literal["fallback", "bf16", "loss_scale", "rewrite", "none"]
+# "upcast": the op resolved at its source line run in float32 by ampdoctor.fp32_op (fixes.verify_upcast).
+VerifyKind = Literal["fallback", "bf16", "loss_scale", "rewrite", "upcast", "none"]
 
 FILL_OPS = frozenset(
     {"aten::masked_fill", "aten::fill", "aten::full", "aten::where", "aten::new_full", "aten::scalar_tensor"}
@@ -414,6 +416,7 @@ RULES: tuple[Rule, ...] = (
     Rule("scale_first", "forward", _scale_first, "rewrite", _CODE_COST, _scores_line, "scale_first"),
     Rule("mask_constant", "forward", _mask_constant, "none", _CODE_COST,
          applies=lambda ctx: _mask_value(ctx) is not None),
+    Rule("fp32_op", "forward", propose_op_upcast, "upcast", UPCAST_COST, op_site_applies),
     Rule("forward_fallback", "forward", _forward_fallback, "fallback", _FALLBACK_COST),
     Rule("keep_in_fp32", "forward", _keep_in_fp32, "none", _FALLBACK_COST, applies=_keep_applies),
     Rule("forward_bf16", "forward", _bf16, "bf16", _BF16_COST,

@@ -17,6 +17,7 @@ from .fallback import Fp32Fallback
 from .rewrites import FusedLog, ScaleFirst
 from .rules import rule_of
 from .snippets import fallback_snippet
+from .verify_upcast import verify_upcast
 
 # How many re-runs the loop makes before it gives up (each round adds an origin's mechanism, or the instances
 # still inside the margin).
@@ -283,7 +284,10 @@ def verify_recommendations(
     out: list[Recommendation] = []
     for rec in recs:
         try:
-            out.append(dataclasses.replace(_verify_one(ctx, findings, rec, origin, check_scale), rule=rec.rule))
+            done = _verify_one(ctx, findings, rec, origin, check_scale)
+            if done is None:
+                continue  # not offered: the re-run showed the proposal does not apply (fixes.verify_upcast)
+            out.append(dataclasses.replace(done, rule=rec.rule))
         except Exception as exc:  # a re-run that cannot run (float16-only kernel, out of memory): say so
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
             # Never offered as if it worked: the snippet would raise the same error in the user's training.
@@ -301,9 +305,12 @@ def verify_recommendations(
 
 def _verify_one(
     ctx: VerifyContext, findings: Findings, rec: Recommendation, origin: Optional[Origin], check_scale: float
-) -> Recommendation:
+) -> Optional[Recommendation]:
     rule = rule_of(rec)
     kind = rule.verify if rule is not None else None
+    if kind == "upcast":
+        return verify_upcast(ctx, rec, origin, check_scale, lambda module: _group(ctx, module, []),
+                             lambda trace, chosen: _mechanisms(ctx, trace, chosen))
     if kind == "fallback" and origin is not None and rec.modules == (origin.module,):
         return verify_fallback(ctx, origin, check_scale)
     if kind == "rewrite" and rule is not None and rule.rewrite in ("sigmoid", "softmax"):

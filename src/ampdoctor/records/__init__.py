@@ -30,6 +30,7 @@ Action = Literal[
     "mask_constant",  # a fill constant that fits the format
     "keep_in_fp32",  # Hugging Face _keep_in_fp32_modules
     "fix_code",  # compute one op in float32 (the origin is the root's own code)
+    "fp32_op",  # run one op of named modules in float32 (ampdoctor.fp32_op), without editing code
     "rewrite",  # a code-level rewrite of the origin's line (log(sigmoid(x)) -> F.logsigmoid(x), ...)
     "fix_batch",  # the batch holds inf/NaN
     "fix_loss",  # the loss function made it

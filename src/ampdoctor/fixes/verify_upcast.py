@@ -1,0 +1,230 @@
+"""The op-level float32 upcast (:mod:`.upcast`), resolved and proven at diagnosis time.
+
+:func:`locate` re-runs the step watching the origin module's own code: for each op it calls (children's aside)
+it notes the op's name, its occurrence (the count :class:`~.upcast.Fp32Op` uses), its source line (frames are
+read here, on a diagnosis re-run, never at training time) and whether it made inf/NaN from finite inputs. The
+site is the first op at the origin's source line that made the value. :func:`verify_upcast` then re-runs the step
+with :class:`~.upcast.Fp32Op` on every instance of the mechanism that needs the remedy and checks that the
+forward and backward are finite, that the margin holds, and that the helper hit exactly the intended ops: one per
+module call, each at the intended line. A miss or a hit at another line (a data-dependent branch shifts the
+occurrence) leaves it unverified, saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ..analysis import Origin, forward_origin
+from ..analysis.mechanisms import Mechanism
+from ..capture.dtypes import LOW_DTYPES
+from ..capture.model import find_module
+from ..capture.zoom import innermost_user_line
+from ..records import BATCH, LOSS, Cost, PassTrace, Recommendation, SourceLocation
+from .upcast import FUSED_OPS, Fp32Op, _Frame, _ScopedOps
+
+if TYPE_CHECKING:
+    from .verify import VerifyContext
+
+# The mechanism instances that need the remedy with the origin (fixes.verify's grouping), and a pass's mechanisms.
+Group = Callable[[str], list[str]]
+Mechanisms = Callable[[PassTrace, list[str]], list[Mechanism]]
+
+_TORCH_DIR = Path(torch.__file__).resolve().parent
+# Re-runs before giving up (each adds instances of the mechanism: a new origin, or one inside the margin).
+MAX_ROUNDS = 3
+_EXTRA_BYTES = 2  # a float32 result instead of a float16/bfloat16 one: 2 more bytes per element
+
+
+@dataclass(frozen=True)
+class OpSite:
+    """Which call to upcast: the ``occurrence``-th call (0-based) of ``op`` in the module's own code."""
+
+    op: str
+    occurrence: int
+    location: SourceLocation
+    numel: int  # elements of its result (per module call)
+
+
+@dataclass(frozen=True)
+class _Seen:
+    call: int
+    name: str
+    occurrence: int
+    location: Optional[SourceLocation]
+    made: bool  # a low-precision result with inf/NaN from finite floating inputs
+    numel: int
+
+
+def _all_finite(values: Any) -> bool:
+    tensors = [v for v in (values if isinstance(values, (tuple, list)) else (values,)) if isinstance(v, torch.Tensor)]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+class _Locator(_ScopedOps):
+    """Notes every op the named module's own code calls (a diagnosis re-run only: it reads frames and syncs)."""
+
+    def __init__(self, model: Any, module: str) -> None:
+        self.seen: list[_Seen] = []
+        self._calls_started = 0
+        super().__init__(model, [module])
+
+    def on_op(self, frame: _Frame, name: str, k: int, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        location = innermost_user_line()
+        out = func(*args, **kwargs)
+        first = next((t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)),
+                     None)
+        low = first is not None and first.dtype in LOW_DTYPES
+        made = bool(low and not _all_finite(out) and _all_finite(args) and _all_finite(tuple(kwargs.values())))
+        numel = first.numel() if first is not None else 0
+        self.seen.append(_Seen(self.calls - 1, name, k, location, made, numel))
+        return out
+
+
+def _own_python_forward(module: torch.nn.Module) -> bool:
+    """The module's class runs a forward written outside torch (a ``Linear``'s op belongs to its parent's line)."""
+    try:
+        source = inspect.getsourcefile(type(module).forward)
+    except TypeError:
+        return False
+    return source is not None and not Path(source).resolve().is_relative_to(_TORCH_DIR)
+
+
+def locate(ctx: VerifyContext, origin: Origin, check_scale: float) -> tuple[Optional[OpSite], str]:
+    """The op at the origin's source line, by name and occurrence, or None and why it cannot be upcast alone."""
+    loc = origin.op.location if origin.op is not None else None
+    if origin.module in ("", LOSS, BATCH) or loc is None:
+        return None, "the origin has no module of its own or no source line"
+    if not _own_python_forward(find_module(ctx.root, origin.module)):
+        return None, f"{origin.module} ({origin.class_name}) has no forward of the user's own code"
+    locator = _Locator(ctx.root, origin.module)
+    with locator:
+        ctx.run(check_scale)
+    seen = [s for s in locator.seen if s.call == origin.call]
+    at_line = [s for s in seen if s.location is not None and (s.location.file, s.location.line) == (loc.file, loc.line)]
+    where = f"{Path(loc.file).name}:{loc.line}"
+    if not at_line:
+        return None, f"no op of {origin.label}'s own code runs at {where} (it runs in a child module or a C++ op)"
+    made = [s for s in at_line if s.made]
+    if not made:
+        return None, f"no op of {origin.label}'s own code at {where} made the inf/NaN (a fused kernel?)"
+    site = made[0]
+    if site.name in FUSED_OPS:
+        return None, f"{site.name} at {where} is a fused kernel: the op inside it cannot be reached"
+    assert site.location is not None
+    return OpSite(site.name, site.occurrence, site.location, site.numel), ""
+
+
+def ordinal(k: int) -> str:
+    n = k + 1
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def upcast_snippet(modules: list[str], site: OpSite) -> str:
+    names = ", ".join(repr(m) for m in modules)
+    return (
+        "import ampdoctor\n"
+        f"ampdoctor.fp32_op(model, [{names}], {site.op!r}, {site.occurrence})"
+        f"  # the {ordinal(site.occurrence)} {site.op} in each call: {site.location.code}\n"
+        "# without ampdoctor at training time, edit that line:\n"
+        f"#   with torch.autocast(device_type, enabled=False): result = <the {site.op}>(*(t.float() for t in inputs))"
+    )
+
+
+def _run(ctx: VerifyContext, helper: Fp32Op, scale: float) -> PassTrace:
+    helper.calls = helper.hits = helper.misses = 0
+    helper.sites.clear()
+    return ctx.run(scale)
+
+
+def _misplaced(helper: Fp32Op, site: OpSite) -> list[str]:
+    """Upcast calls at another line than the site's: '<module> at <file:line>'."""
+    out = []
+    for module, loc in helper.sites:
+        if loc is None or (loc.file, loc.line) != (site.location.file, site.location.line):
+            out.append(f"{module} at " + (f"{Path(loc.file).name}:{loc.line}" if loc is not None else "no line"))
+    return out
+
+
+def _attempt(ctx: VerifyContext, site: OpSite, chosen: list[str], check_scale: float
+             ) -> tuple[PassTrace, str, tuple[int, int, int, list[str]]]:
+    """One re-run with the op upcast in ``chosen``: the trace, a note, and (calls, hits, misses, misplaced)."""
+    note = ""
+    with Fp32Op(ctx.root, chosen, site.op, site.occurrence) as helper:
+        helper.where = innermost_user_line
+        last = _run(ctx, helper, check_scale)
+        if last.forward_healthy() and not last.healthy() and check_scale > 1:
+            at_one = _run(ctx, helper, 1.0)
+            if at_one.healthy():
+                last = at_one
+                note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
+        return last, note, (helper.calls, helper.hits, helper.misses, _misplaced(helper, site))
+
+
+def verify_upcast(ctx: VerifyContext, rec: Recommendation, origin: Optional[Origin], check_scale: float,
+                  group: Group, mechanisms: Mechanisms) -> Optional[Recommendation]:
+    """Resolve the site, run it in float32 in every instance that needs it, and prove it (None: not offered)."""
+    if origin is None:
+        return None
+    site, why = locate(ctx, origin, check_scale)
+    if site is None:
+        return None  # not offered: the rewrite or the module fallback is (``why`` says why not this one)
+    order = {m.name: i for i, m in enumerate(ctx.modules)}
+    members = {i.module for mech in mechanisms(ctx.baseline, [origin.module]) for i in mech.instances}
+    chosen: list[str] = []
+    add = group(origin.module)
+    tried: list[str] = []
+    while add and len(tried) < MAX_ROUNDS:
+        chosen = sorted({*chosen, *add}, key=lambda m: order.get(m, len(order)))
+        tried.append(", ".join(chosen))
+        last, note, counts = _attempt(ctx, site, chosen, check_scale)
+        add = []
+        if last.healthy():  # instances of the mechanism still inside the margin join
+            add = [i.module for mech in mechanisms(last, chosen) for i in mech.instances
+                   if i.reason and i.module not in chosen]
+        else:  # a new origin in another instance of the mechanism joins
+            new = forward_origin(last)
+            if new is not None and new.module in members and new.module not in chosen:
+                add = group(new.module)
+    calls, hits, misses, misplaced = counts
+    where = f"{Path(site.location.file).name}:{site.location.line}"
+    what = f"the {ordinal(site.occurrence)} {site.op} ({where})"
+    finite = last.healthy()
+    evidence = (
+        (f"re-ran the step with the op in float32 in each of these sets: {'; '.join(f'[{t}]' for t in tried)}; "
+         if len(tried) > 1 else "")
+        + f"re-ran the step at scale {check_scale:g} with {what} of {', '.join(chosen)} in float32: {calls} module "
+        f"call(s), {hits} op(s) upcast; " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
+                                              if finite else "still non-finite") + note
+    )
+    exact = hits == calls and not misses and not misplaced
+    if misses:
+        evidence += f"; missed: in {misses} of {calls} call(s) there was no {ordinal(site.occurrence)} {site.op}"
+    if misplaced:
+        evidence += (f"; missed: the {ordinal(site.occurrence)} {site.op} ran elsewhere in {len(misplaced)} call(s) "
+                     f"({', '.join(misplaced[:3])}), a data-dependent branch shifts the occurrence")
+    for mech in mechanisms(ctx.baseline, chosen):
+        if len(mech.instances) > 1:
+            evidence += f"; {mech.sentence(chosen)}"
+    tight = [i for mech in mechanisms(last, chosen) for i in mech.instances if i.reason] if finite else []
+    title = f"run only {what} in float32 in {', '.join(chosen)}; AMP stays on for the rest of the module"
+    if tight:
+        spare = min((i.headroom_bits for i in tight), default=math.inf)
+        title += f" (holds at this step, with {spare:.2f} bits to spare)"
+        evidence += f"; inside the {ctx.margin_bits:g}-bit margin: " + ", ".join(
+            f"{i.module} ({i.reason})" for i in tight[:4])
+    cost = Cost(site.numel * _EXTRA_BYTES * max(calls, len(chosen)), 0.0,
+                f"one op's result in float32 per call ({site.numel} elements); the modules' Linear layers stay in "
+                f"{ctx.low_dtype}")
+    return dataclasses.replace(
+        rec, modules=tuple(chosen), title=title, snippet=upcast_snippet(chosen, site),
+        verified=finite and exact and not tight, evidence=evidence, cost=cost,
+    )
