@@ -19,6 +19,7 @@ upcast call's source line), and :attr:`Fp32Op.misses` counts module calls in whi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -26,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, get_overridable_functions
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
@@ -42,6 +43,14 @@ from ..errors import InvalidInput
 FUSED_OPS = frozenset(
     {"scaled_dot_product_attention", "multi_head_attention_forward", "_scaled_dot_product_attention_math"}
 )
+
+
+@functools.lru_cache(maxsize=64)
+def functions_of(op: str) -> frozenset[Any]:
+    """Every overridable torch function the mode would see under the op name ``op`` (``"matmul"``: ``torch.matmul``,
+    ``Tensor.matmul``, ``Tensor.__matmul__``, ``Tensor.__rmatmul__``)."""
+    every = (f for group in get_overridable_functions().values() for f in group)
+    return frozenset(f for f in every if op_info(f)[0] == op)
 
 
 @dataclass
@@ -83,14 +92,14 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         owner = self.owner
         frame = owner.stack[-1] if owner.stack else None
-        if frame is None or frame.depth or not owner.counts(func) or measuring():
+        name = owner.counts(func) if frame is not None and not frame.depth else None
+        if name is None or not (_floating(args) or _floating(tuple(kwargs.values()))):
             return func(*args, **kwargs)
-        if not (_floating(args) or _floating(tuple(kwargs.values()))):
+        if not torch.compiler.is_compiling() and measuring():  # ampdoctor's own statistics, on its re-runs
             return func(*args, **kwargs)
-        name = op_info(func)[0]
-        k = frame.seen.get(name, 0)
-        frame.seen[name] = k + 1
-        return owner.on_op(frame, name, k, func, args, kwargs)
+        k = frame.seen.get(name, 0)  # type: ignore[union-attr]
+        frame.seen[name] = k + 1  # type: ignore[union-attr]
+        return owner.on_op(frame, name, k, func, args, kwargs)  # type: ignore[arg-type]
 
 
 class _ScopedOps:
@@ -164,9 +173,9 @@ class _ScopedOps:
             self.stack[-1].depth -= 1
 
     # -- what a subclass decides ---------------------------------------------------------------------------------
-    def counts(self, func: Any) -> bool:
-        """Whether calls of ``func`` are counted at all (all of them by default)."""
-        return True
+    def counts(self, func: Any) -> Optional[str]:
+        """The op name under which calls of ``func`` are counted, or None when they are not (all are by default)."""
+        return op_info(func)[0]
 
     def on_op(self, frame: _Frame, name: str, k: int, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         """Run the ``k``-th call of op ``name`` in ``frame``'s module call (the mode is off the stack here)."""
@@ -227,10 +236,16 @@ class Fp32Op(_ScopedOps):
         # Set by ampdoctor's verification only: a callable naming the running source line (it reads frames).
         self.where: Optional[Callable[[], Any]] = None
         self.sites: list[tuple[str, Any]] = []  # (module, where()) of each upcast call, when ``where`` is set
+        self._family = functions_of(op)
+        if not self._family:
+            raise InvalidInput(f"op={op!r}: no torch function has that name ('matmul', 'bmm', 'pow', 'exp', 'mul', "
+                               "'add', 'sum', 'linear', ...)")
         super().__init__(model, modules)
 
-    def counts(self, func: Any) -> bool:
-        return op_info(func)[0] == self.op
+    def counts(self, func: Any) -> Optional[str]:
+        # A set of function objects, built once: at run time no name is computed (and torch.compile traces a
+        # set membership test, where it would break the graph on string work).
+        return self.op if func in self._family else None
 
     def on_op(self, frame: _Frame, name: str, k: int, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         if k != self.occurrence:

@@ -17,7 +17,8 @@ from .fallback import Fp32Fallback
 from .rewrites import FusedLog, ScaleFirst
 from .rules import rule_of
 from .snippets import fallback_snippet
-from .verify_upcast import verify_upcast
+from .upcast import Fp32Op
+from .verify_upcast import pasted_site, verify_upcast
 
 # How many re-runs the loop makes before it gives up (each round adds an origin's mechanism, or the instances
 # still inside the margin).
@@ -387,6 +388,9 @@ def remedy_for(rec: Recommendation, origin: Optional[Origin]) -> Optional[Callab
     rule = rule_of(rec)
     if rec.action == "fp32_fallback" and rec.modules:
         return lambda model: Fp32Fallback(model, rec.modules)
+    site = pasted_site(rec.snippet) if rec.action == "fp32_op" and rec.modules else None
+    if site is not None:
+        return lambda model: Fp32Op(model, rec.modules, *site)
     if rule is None or rule.verify != "rewrite":
         return None
     if rule.rewrite in ("sigmoid", "softmax"):

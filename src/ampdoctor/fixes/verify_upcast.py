@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,15 @@ def upcast_snippet(modules: list[str], site: OpSite) -> str:
     )
 
 
+_PASTED = re.compile(r"ampdoctor\.fp32_op\(model, \[[^\]]*\], '(?P<op>\w+)', (?P<k>\d+)\)")
+
+
+def pasted_site(snippet: str) -> Optional[tuple[str, int]]:
+    """(op, occurrence) of the call :func:`upcast_snippet` wrote (verify_steps trains with what the user pastes)."""
+    found = _PASTED.search(snippet)
+    return (found["op"], int(found["k"])) if found is not None else None
+
+
 def _run(ctx: VerifyContext, helper: Fp32Op, scale: float) -> PassTrace:
     helper.calls = helper.hits = helper.misses = 0
     helper.sites.clear()
@@ -199,8 +209,7 @@ def verify_upcast(ctx: VerifyContext, rec: Recommendation, origin: Optional[Orig
     what = f"the {ordinal(site.occurrence)} {site.op} ({where})"
     finite = last.healthy()
     evidence = (
-        (f"re-ran the step with the op in float32 in each of these sets: {'; '.join(f'[{t}]' for t in tried)}; "
-         if len(tried) > 1 else "")
+        (f"tried the op in float32 in [{']; then in ['.join(tried)}]; " if len(tried) > 1 else "")
         + f"re-ran the step at scale {check_scale:g} with {what} of {', '.join(chosen)} in float32: {calls} module "
         f"call(s), {hits} op(s) upcast; " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
                                               if finite else "still non-finite") + note
