@@ -27,6 +27,7 @@ from ..analysis import Origin, forward_origin
 from ..analysis.mechanisms import Mechanism
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import find_module
+from ..capture.stats import INTERNAL
 from ..capture.zoom import innermost_user_line
 from ..records import BATCH, LOSS, Cost, PassTrace, Recommendation, SourceLocation
 from .upcast import FUSED_OPS, Fp32Op, _Frame, _ScopedOps
@@ -83,7 +84,8 @@ class _Locator(_ScopedOps):
         first = next((t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)),
                      None)
         low = first is not None and first.dtype in LOW_DTYPES
-        made = bool(low and not _all_finite(out) and _all_finite(args) and _all_finite(tuple(kwargs.values())))
+        with INTERNAL:  # the checks are ampdoctor's own ops (the hidden-overflow watch passes them over)
+            made = bool(low and not _all_finite(out) and _all_finite(args) and _all_finite(tuple(kwargs.values())))
         numel = first.numel() if first is not None else 0
         self.seen.append(_Seen(self.calls - 1, name, k, location, made, numel))
         return out
