@@ -236,6 +236,7 @@ class Fp32Op(_ScopedOps):
         # Set by ampdoctor's verification only: a callable naming the running source line (it reads frames).
         self.where: Optional[Callable[[], Any]] = None
         self.sites: list[tuple[str, Any]] = []  # (module, where()) of each upcast call, when ``where`` is set
+        self.peaks: dict[str, float] = {}  # largest |result| per module, when ``where`` is set
         self._family = functions_of(op)
         if not self._family:
             raise InvalidInput(f"op={op!r}: no torch function has that name ('matmul', 'bmm', 'pow', 'exp', 'mul', "
@@ -251,10 +252,14 @@ class Fp32Op(_ScopedOps):
         if k != self.occurrence:
             return func(*args, **kwargs)
         self.hits += 1
-        if self.where is not None:
-            self.sites.append((frame.module, self.where()))
         with torch.autocast(_device_type(args, kwargs), enabled=False):
-            return func(*tree_map(upcast, args), **tree_map(upcast, kwargs))
+            out = func(*tree_map(upcast, args), **tree_map(upcast, kwargs))
+        if self.where is not None:  # ampdoctor's verification: the line, and how large the float32 result got
+            self.sites.append((frame.module, self.where()))
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+                peak = float(out.detach().abs().max())
+                self.peaks[frame.module] = max(self.peaks.get(frame.module, 0.0), peak)
+        return out
 
     def on_call_end(self, frame: _Frame) -> None:
         if frame.seen.get(self.op, 0) <= self.occurrence:

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from ..analysis import Origin, forward_origin
-from ..analysis.mechanisms import Mechanism
+from ..analysis.headroom import headroom_bits
+from ..analysis.mechanisms import Mechanism, low_precision_headroom
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import find_module
 from ..capture.stats import INTERNAL
 from ..capture.zoom import innermost_user_line
-from ..records import BATCH, LOSS, Cost, PassTrace, Recommendation, SourceLocation
+from ..records import BATCH, LOSS, Cost, FormatLimits, PassTrace, Recommendation, SourceLocation
 from .upcast import FUSED_OPS, Fp32Op, _Frame, _ScopedOps
 
 if TYPE_CHECKING:
@@ -100,13 +101,21 @@ def _own_python_forward(module: torch.nn.Module) -> bool:
     return source is not None and not Path(source).resolve().is_relative_to(_TORCH_DIR)
 
 
-def locate(ctx: VerifyContext, origin: Origin, check_scale: float) -> tuple[Optional[OpSite], str]:
-    """The op at the origin's source line, by name and occurrence, or None and why it cannot be upcast alone."""
+def reachable(ctx: VerifyContext, origin: Origin) -> str:
+    """Why the origin's op cannot be upcast alone, or "" when it may be."""
     loc = origin.op.location if origin.op is not None else None
     if origin.module in ("", LOSS, BATCH) or loc is None:
-        return None, "the origin has no module of its own or no source line"
+        return "the origin has no module of its own or no source line"
     if not _own_python_forward(find_module(ctx.root, origin.module)):
-        return None, f"{origin.module} ({origin.class_name}) has no forward of the user's own code"
+        return f"{origin.module} ({origin.class_name}) has no forward of the user's own code"
+    return ""
+
+
+def locate(ctx: VerifyContext, origin: Origin, check_scale: float) -> tuple[Optional[OpSite], str]:
+    """The op at the origin's source line, by name and occurrence (a re-run that watches the origin module's own
+    code), or None and why it cannot be upcast alone."""
+    assert origin.op is not None and origin.op.location is not None
+    loc = origin.op.location
     locator = _Locator(ctx.root, origin.module)
     with locator:
         ctx.run(check_scale)
@@ -123,6 +132,31 @@ def locate(ctx: VerifyContext, origin: Origin, check_scale: float) -> tuple[Opti
         return None, f"{site.name} at {where} is a fused kernel: the op inside it cannot be reached"
     assert site.location is not None
     return OpSite(site.name, site.occurrence, site.location, site.numel), ""
+
+
+# Torch functions whose calls may show up in the op zoom as this aten op (``q @ k`` of 3-D tensors is aten::bmm).
+_ATEN_FAMILY = {
+    "bmm": ("matmul", "bmm", "einsum"),
+    "mm": ("matmul", "mm", "einsum"),
+    "baddbmm": ("baddbmm", "matmul"),
+    "pow": ("pow", "square"),
+    "mul": ("mul", "square"),
+}
+
+
+def from_survey(ctx: VerifyContext, origin: Origin) -> Optional[OpSite]:
+    """The site as the survey's hidden-overflow watch numbered it (same count as :class:`~.upcast.Fp32Op`): the
+    one op of the origin call it flagged under a name of the origin op's family; None when not exactly one."""
+    op = origin.op
+    if op is None or op.location is None:
+        return None
+    aten = op.op.split("::")[-1].split(".")[0]
+    family = _ATEN_FAMILY.get(aten, (aten,))
+    flagged = [o for o in ctx.baseline.op_overflows
+               if o.module == origin.module and o.call == origin.call and o.op in family]
+    if len(flagged) != 1 or flagged[0].op in FUSED_OPS:
+        return None
+    return OpSite(flagged[0].op, flagged[0].occurrence, op.location, flagged[0].numel)
 
 
 def ordinal(k: int) -> str:
@@ -154,6 +188,7 @@ def pasted_site(snippet: str) -> Optional[tuple[str, int]]:
 def _run(ctx: VerifyContext, helper: Fp32Op, scale: float) -> PassTrace:
     helper.calls = helper.hits = helper.misses = 0
     helper.sites.clear()
+    helper.peaks.clear()
     return ctx.run(scale)
 
 
@@ -167,8 +202,9 @@ def _misplaced(helper: Fp32Op, site: OpSite) -> list[str]:
 
 
 def _attempt(ctx: VerifyContext, site: OpSite, chosen: list[str], check_scale: float
-             ) -> tuple[PassTrace, str, tuple[int, int, int, list[str]]]:
-    """One re-run with the op upcast in ``chosen``: the trace, a note, and (calls, hits, misses, misplaced)."""
+             ) -> tuple[PassTrace, str, tuple[int, int, int, list[str]], dict[str, float]]:
+    """One re-run with the op upcast in ``chosen``: the trace, a note, (calls, hits, misses, misplaced), and the
+    largest |result| of the op per module."""
     note = ""
     with Fp32Op(ctx.root, chosen, site.op, site.occurrence) as helper:
         helper.where = innermost_user_line
@@ -178,34 +214,73 @@ def _attempt(ctx: VerifyContext, site: OpSite, chosen: list[str], check_scale: f
             if at_one.healthy():
                 last = at_one
                 note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
-        return last, note, (helper.calls, helper.hits, helper.misses, _misplaced(helper, site))
+        return last, note, (helper.calls, helper.hits, helper.misses, _misplaced(helper, site)), dict(helper.peaks)
+
+
+def _misplaced_modules(counts: tuple[int, int, int, list[str]]) -> list[str]:
+    return [m.split(" at ", 1)[0] for m in counts[3]]
+
+
+def _needs(peak: Optional[float], limits: FormatLimits, margin_bits: float) -> bool:
+    """A float32 result this large would overflow the low format, or keep less than the margin in it."""
+    if peak is None:
+        return True  # not measured: keep it
+    bits = headroom_bits(peak, limits)
+    return bits is None or bits < margin_bits
 
 
 def verify_upcast(ctx: VerifyContext, rec: Recommendation, origin: Optional[Origin], check_scale: float,
                   group: Group, mechanisms: Mechanisms) -> Optional[Recommendation]:
     """Resolve the site, run it in float32 in every instance that needs it, and prove it (None: not offered)."""
-    if origin is None:
-        return None
-    site, why = locate(ctx, origin, check_scale)
+    if origin is None or reachable(ctx, origin):
+        return None  # not offered: the rewrite or the module fallback is
+    site = from_survey(ctx, origin)
+    surveyed = site is not None
     if site is None:
-        return None  # not offered: the rewrite or the module fallback is (``why`` says why not this one)
+        site, _ = locate(ctx, origin, check_scale)
+    if site is None:
+        return None
     order = {m.name: i for i, m in enumerate(ctx.modules)}
     members = {i.module for mech in mechanisms(ctx.baseline, [origin.module]) for i in mech.instances}
+    limits = ctx.limits
+    # First round: the instances that need it, and those that only carried the origin's inf/NaN at the diagnosed
+    # step (whether they need it shows once the origin is fixed): one re-run instead of one per instance.
+    needed = set(group(origin.module))
+    unknown = {m for m in members if limits is not None and not low_precision_headroom(ctx.baseline, m, limits)[0]}
+    upcoming: Optional[list[str]] = sorted(needed | unknown)
     chosen: list[str] = []
-    add = group(origin.module)
     tried: list[str] = []
-    while add and len(tried) < MAX_ROUNDS:
-        chosen = sorted({*chosen, *add}, key=lambda m: order.get(m, len(order)))
+    pruned = False
+    best: Optional[tuple[list[str], PassTrace, str, tuple[int, int, int, list[str]]]] = None
+    while upcoming is not None and len(tried) < MAX_ROUNDS:
+        chosen = sorted(set(upcoming), key=lambda m: order.get(m, len(order)))
         tried.append(", ".join(chosen))
-        last, note, counts = _attempt(ctx, site, chosen, check_scale)
-        add = []
-        if last.healthy():  # instances of the mechanism still inside the margin join
-            add = [i.module for mech in mechanisms(last, chosen) for i in mech.instances
-                   if i.reason and i.module not in chosen]
+        last, note, counts, peaks = _attempt(ctx, site, chosen, check_scale)
+        if surveyed and origin.module in _misplaced_modules(counts):
+            # The survey's numbering missed the line in the origin itself: number the ops at the zoom's line.
+            site, _ = locate(ctx, origin, check_scale)
+            if site is None:
+                return None
+            surveyed, tried = False, []
+            continue
+        upcoming = None
+        if last.healthy():
+            best = (chosen, last, note, counts)
+            joining = [i.module for mech in mechanisms(last, chosen) for i in mech.instances
+                       if i.reason and i.module not in chosen]
+            if joining:  # instances of the mechanism still inside the margin join
+                upcoming = [*chosen, *joining]
+            elif not pruned and limits is not None:
+                # Carriers whose float32 result would have kept the margin in the low format did not need it.
+                keep = [m for m in chosen if m in needed or _needs(peaks.get(m), limits, ctx.margin_bits)]
+                if len(keep) < len(chosen):
+                    pruned, upcoming = True, keep
         else:  # a new origin in another instance of the mechanism joins
             new = forward_origin(last)
             if new is not None and new.module in members and new.module not in chosen:
-                add = group(new.module)
+                upcoming = [*chosen, *group(new.module)]
+    if best is not None and not last.healthy():
+        chosen, last, note, counts = best  # the smaller set did not hold: the one that did is the answer
     calls, hits, misses, misplaced = counts
     where = f"{Path(site.location.file).name}:{site.location.line}"
     what = f"the {ordinal(site.occurrence)} {site.op} ({where})"
