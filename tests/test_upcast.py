@@ -325,6 +325,30 @@ def test_the_helper_leaves_parameters_autocast_and_hooks_as_they_were() -> None:
         assert not torch.isfinite(model(x)).all()  # back to plain AMP
 
 
+def test_activation_checkpointing_recomputes_with_the_same_upcast() -> None:
+    """A non-reentrant checkpoint re-runs the forward in the backward: the hooks fire again, the op is upcast again
+    (the recomputed result has the dtype autograd saved), and the gradients match the run without checkpointing."""
+    torch.manual_seed(0)
+    attn, x = SelfAttention(16), _readings()
+
+    def grads(checkpointed: bool) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+        attn.zero_grad(set_to_none=True)
+        with ampdoctor.fp32_op(attn, [""], "matmul", 0) as handle, torch.autocast("cpu", dtype=torch.float16):
+            if checkpointed:
+                out = torch.utils.checkpoint.checkpoint(attn, x, use_reentrant=False)
+            else:
+                out = attn(x)
+            _loss(out).backward()
+        return [p.grad.clone() for p in attn.parameters()], (handle.calls, handle.hits, handle.misses)
+
+    plain, counts = grads(False)
+    recomputed, recounts = grads(True)
+    assert counts == (1, 1, 0) and recounts == (2, 2, 0)
+    assert all(torch.isfinite(g).all() for g in recomputed)
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed))
+    assert _hooks(attn) == 0
+
+
 class Raises(SelfAttention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k = self.q(x), self.k(x)

@@ -114,7 +114,11 @@ class _ScopedOps:
         names = [modules] if isinstance(modules, str) else list(modules)
         if not names:
             raise InvalidInput("no module names given: pass the modules the report names, e.g. ['blocks.0.attn']")
-        targets = {name: find_module(root, name) for name in names}
+        targets: dict[str, nn.Module] = {}
+        for name in names:
+            module = find_module(root, name)
+            if all(module is not m for m in targets.values()):  # a module named twice (shared) counts once
+                targets[name] = module
         self.modules = names
         self.calls = 0  # calls of the named modules seen
         self.stack: list[_Frame] = []
