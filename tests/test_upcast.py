@@ -419,3 +419,44 @@ def test_a_branch_that_shifts_the_occurrence_is_not_verified() -> None:
     rec = next((r for r in report.recommendations if r.rule == "fp32_op"), None)
     assert rec is not None and not rec.verified
     assert "missed: the 1st matmul ran elsewhere" in rec.evidence and "a data-dependent branch" in rec.evidence
+
+
+# -- hidden overflows: the op is named by its records ------------------------------------------------------------
+
+
+class Clamped(SelfAttention):
+    """The user's attempt at a fix: the float16 scores overflow and the clamp hides the inf (finite output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        scores = (q @ k.transpose(-2, -1)).clamp(-60000, 60000)
+        return self.o(torch.softmax(scores / math.sqrt(q.shape[-1]), dim=-1) @ v)
+
+
+CLAMPED_LINE = Clamped.forward.__code__.co_firstlineno + 2
+
+
+def test_a_hidden_overflow_gets_the_op_upcast_for_every_instance() -> None:
+    torch.manual_seed(0)
+    model, x = Sensors(Clamped), _readings()
+    unverified = ampdoctor.diagnose(model, x, loss_fn=_loss, device_type="cpu", verify=False)
+    assert unverified.findings.forward_origin is None
+    assert {h.module for h in unverified.findings.hidden} == {"blocks.0.attn", "blocks.1.attn"}
+    proposed = next(r for r in unverified.recommendations if r.rule.startswith("hidden_fp32_op"))
+    # The records name the op and its occurrence: the snippet is complete before any re-run.
+    assert "ampdoctor.fp32_op(model, ['blocks.0.attn', 'blocks.1.attn'], 'matmul', 0)" in proposed.snippet
+    assert "clamp" in proposed.title
+    report = ampdoctor.diagnose(model, x, loss_fn=_loss, device_type="cpu")
+    rec = next(r for r in report.recommendations if r.rule.startswith("hidden_fp32_op"))
+    assert rec.verified, rec.evidence
+    assert rec.modules == ("blocks.0.attn", "blocks.1.attn")
+    assert f"the 1st matmul (test_upcast.py:{CLAMPED_LINE})" in rec.title
+    assert "2 module call(s), 2 op(s) upcast" in rec.evidence
+    assert _hooks(model) == 0
+
+
+def test_no_op_upcast_without_an_overflow() -> None:
+    torch.manual_seed(0)
+    report = _diagnose(Sensors(), torch.randn(4, 8, 16))
+    assert report.findings.forward_origin is None and not report.findings.hidden
+    assert not [r for r in report.recommendations if r.action == "fp32_op"]

@@ -17,7 +17,14 @@ from typing import Literal, Optional
 
 from ..analysis import Findings, NearLimit, Origin
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
-from .rules_upcast import UPCAST_COST, op_site_applies, propose_op_upcast
+from .rules_upcast import (
+    HIDDEN_RULE,
+    UPCAST_COST,
+    hidden_applies,
+    op_site_applies,
+    propose_hidden_upcast,
+    propose_op_upcast,
+)
 from .snippets import fallback_snippet, scale_literal
 
 Situation = Literal["batch", "loss", "weights", "forward", "scale", "backward", "no_window", "other"]
@@ -422,6 +429,7 @@ RULES: tuple[Rule, ...] = (
     Rule("forward_bf16", "forward", _bf16, "bf16", _BF16_COST,
          applies=lambda ctx: ctx.float16 and ctx.findings.verdict == "overflow"),
     Rule("safe_scale", "scale", _safe_scale, "loss_scale", _SCALE_COST),
+    Rule(HIDDEN_RULE, "scale", propose_hidden_upcast, "upcast", UPCAST_COST, hidden_applies),
     Rule("scale_fallback", "scale", _scale_fallback, "fallback", _FALLBACK_COST, applies=_harmful_scale),
     Rule("scale_bf16", "scale", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16 and _harmful_scale(ctx)),
     Rule("loss_gradient", "backward", _fix_loss_backward, "none", _CODE_COST,
@@ -430,6 +438,7 @@ RULES: tuple[Rule, ...] = (
          applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module != LOSS),
     Rule("backward_bf16", "backward", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16),
     Rule("no_window_bf16", "no_window", _bf16_no_window, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16),
+    Rule(HIDDEN_RULE + "_other", "other", propose_hidden_upcast, "upcast", UPCAST_COST, hidden_applies),
     Rule("raise_scale", "other", _raise_scale, "loss_scale", _SCALE_COST, applies=_underflows),
     Rule("underflow_bf16", "other", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16 and _underflows(ctx)),
     Rule("into_window", "other", _into_window, "loss_scale", _SCALE_COST, applies=_outside_window),

@@ -37,12 +37,7 @@ from ..capture.hidden import op_info
 from ..capture.model import find_module, unwrap_model
 from ..capture.stats import measuring
 from ..errors import InvalidInput
-
-# Functions that run a whole fused kernel: their inner matmuls cannot be reached, so the op-level upcast is not
-# offered for them (a code rewrite is: scale q first; or the module in float32).
-FUSED_OPS = frozenset(
-    {"scaled_dot_product_attention", "multi_head_attention_forward", "_scaled_dot_product_attention_math"}
-)
+from .rules_upcast import FUSED_FUNCTIONS
 
 
 @functools.lru_cache(maxsize=64)
@@ -230,7 +225,7 @@ class Fp32Op(_ScopedOps):
             )
         if isinstance(occurrence, bool) or not isinstance(occurrence, int) or occurrence < 0:
             raise InvalidInput(f"occurrence={occurrence!r}: a 0-based index (0 is the op's first call in the module)")
-        if op in FUSED_OPS:
+        if op in FUSED_FUNCTIONS:
             raise InvalidInput(f"op={op!r} is a fused kernel: run its module in float32 (ampdoctor.fp32_fallback) "
                                "or compute it from its parts")
         self.op = op

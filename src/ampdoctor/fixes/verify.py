@@ -310,7 +310,7 @@ def _verify_one(
     rule = rule_of(rec)
     kind = rule.verify if rule is not None else None
     if kind == "upcast":
-        return verify_upcast(ctx, rec, origin, check_scale, lambda module: _group(ctx, module, []),
+        return verify_upcast(ctx, rec, findings, origin, check_scale, lambda module: _group(ctx, module, []),
                              lambda trace, chosen: _mechanisms(ctx, trace, chosen))
     if kind == "fallback" and origin is not None and rec.modules == (origin.module,):
         return verify_fallback(ctx, origin, check_scale)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ..analysis import Origin, forward_origin
+from ..analysis import Findings, Origin, forward_origin
 from ..analysis.headroom import headroom_bits
 from ..analysis.mechanisms import Mechanism, low_precision_headroom
 from ..capture.dtypes import LOW_DTYPES
@@ -31,7 +31,8 @@ from ..capture.model import find_module
 from ..capture.stats import INTERNAL
 from ..capture.zoom import innermost_user_line
 from ..records import BATCH, LOSS, Cost, FormatLimits, PassTrace, Recommendation, SourceLocation
-from .upcast import FUSED_OPS, Fp32Op, _Frame, _ScopedOps
+from .rules_upcast import FUSED_FUNCTIONS, HIDDEN_RULE, hidden_site, ordinal, same_site, upcast_snippet
+from .upcast import Fp32Op, _Frame, _ScopedOps
 
 if TYPE_CHECKING:
     from .verify import VerifyContext
@@ -128,7 +129,7 @@ def locate(ctx: VerifyContext, origin: Origin, check_scale: float) -> tuple[Opti
     if not made:
         return None, f"no op of {origin.label}'s own code at {where} made the inf/NaN (a fused kernel?)"
     site = made[0]
-    if site.name in FUSED_OPS:
+    if site.name in FUSED_FUNCTIONS:
         return None, f"{site.name} at {where} is a fused kernel: the op inside it cannot be reached"
     assert site.location is not None
     return OpSite(site.name, site.occurrence, site.location, site.numel), ""
@@ -154,26 +155,9 @@ def from_survey(ctx: VerifyContext, origin: Origin) -> Optional[OpSite]:
     family = _ATEN_FAMILY.get(aten, (aten,))
     flagged = [o for o in ctx.baseline.op_overflows
                if o.module == origin.module and o.call == origin.call and o.op in family]
-    if len(flagged) != 1 or flagged[0].op in FUSED_OPS:
+    if len(flagged) != 1 or flagged[0].op in FUSED_FUNCTIONS:
         return None
     return OpSite(flagged[0].op, flagged[0].occurrence, op.location, flagged[0].numel)
-
-
-def ordinal(k: int) -> str:
-    n = k + 1
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
-def upcast_snippet(modules: list[str], site: OpSite) -> str:
-    names = ", ".join(repr(m) for m in modules)
-    return (
-        "import ampdoctor\n"
-        f"ampdoctor.fp32_op(model, [{names}], {site.op!r}, {site.occurrence})"
-        f"  # the {ordinal(site.occurrence)} {site.op} in each call: {site.location.code}\n"
-        "# without ampdoctor at training time, edit that line:\n"
-        f"#   with torch.autocast(device_type, enabled=False): result = <the {site.op}>(*(t.float() for t in inputs))"
-    )
 
 
 _PASTED = re.compile(r"ampdoctor\.fp32_op\(model, \[[^\]]*\], '(?P<op>\w+)', (?P<k>\d+)\)")
@@ -229,23 +213,44 @@ def _needs(peak: Optional[float], limits: FormatLimits, margin_bits: float) -> b
     return bits is None or bits < margin_bits
 
 
-def verify_upcast(ctx: VerifyContext, rec: Recommendation, origin: Optional[Origin], check_scale: float,
-                  group: Group, mechanisms: Mechanisms) -> Optional[Recommendation]:
-    """Resolve the site, run it in float32 in every instance that needs it, and prove it (None: not offered)."""
-    if origin is None or reachable(ctx, origin):
-        return None  # not offered: the rewrite or the module fallback is
-    site = from_survey(ctx, origin)
-    surveyed = site is not None
-    if site is None:
-        site, _ = locate(ctx, origin, check_scale)
-    if site is None:
+def _hidden(ctx: VerifyContext, findings: Findings, group: Group) -> Optional[tuple[OpSite, str, set[str]]]:
+    """The site of the first reachable hidden overflow, its module, and the instances that need the upcast."""
+    found = hidden_site(findings)
+    if found is None or found.location is None or not _own_python_forward(find_module(ctx.root, found.module)):
         return None
+    k = found.occurrences[0]
+    numel = next((o.numel for o in ctx.baseline.op_overflows
+                  if (o.module, o.call, o.op, o.occurrence) == (found.module, found.call, found.op, k)), 0)
+    return OpSite(found.op, k, found.location, numel), found.module, {*same_site(findings, found), *group(found.module)}
+
+
+def verify_upcast(ctx: VerifyContext, rec: Recommendation, findings: Findings, origin: Optional[Origin],
+                  check_scale: float, group: Group, mechanisms: Mechanisms) -> Optional[Recommendation]:
+    """Resolve the site, run it in float32 in every instance that needs it, and prove it (None: not offered).
+
+    The origin's op (rule ``fp32_op``) is resolved from the survey's numbering or the op zoom's line; a hidden
+    overflow's (rule ``hidden_fp32_op``) is named by its records."""
+    surveyed = False
+    if rec.rule.startswith(HIDDEN_RULE):
+        hidden = _hidden(ctx, findings, group)
+        if hidden is None:
+            return None
+        site, anchor, needed = hidden
+    else:
+        if origin is None or reachable(ctx, origin):
+            return None  # not offered: the rewrite or the module fallback is
+        found = from_survey(ctx, origin)
+        surveyed = found is not None
+        if found is None:
+            found, _ = locate(ctx, origin, check_scale)
+        if found is None:
+            return None
+        site, anchor, needed = found, origin.module, set(group(origin.module))
     order = {m.name: i for i, m in enumerate(ctx.modules)}
-    members = {i.module for mech in mechanisms(ctx.baseline, [origin.module]) for i in mech.instances}
+    members = {i.module for mech in mechanisms(ctx.baseline, [anchor]) for i in mech.instances}
     limits = ctx.limits
     # First round: the instances that need it, and those that only carried the origin's inf/NaN at the diagnosed
     # step (whether they need it shows once the origin is fixed): one re-run instead of one per instance.
-    needed = set(group(origin.module))
     unknown = {m for m in members if limits is not None and not low_precision_headroom(ctx.baseline, m, limits)[0]}
     upcoming: Optional[list[str]] = sorted(needed | unknown)
     chosen: list[str] = []
@@ -256,12 +261,12 @@ def verify_upcast(ctx: VerifyContext, rec: Recommendation, origin: Optional[Orig
         chosen = sorted(set(upcoming), key=lambda m: order.get(m, len(order)))
         tried.append(", ".join(chosen))
         last, note, counts, peaks = _attempt(ctx, site, chosen, check_scale)
-        if surveyed and origin.module in _misplaced_modules(counts):
+        if surveyed and origin is not None and anchor in _misplaced_modules(counts):
             # The survey's numbering missed the line in the origin itself: number the ops at the zoom's line.
-            site, _ = locate(ctx, origin, check_scale)
-            if site is None:
+            relocated, _ = locate(ctx, origin, check_scale)
+            if relocated is None:
                 return None
-            surveyed, tried = False, []
+            site, surveyed, tried = relocated, False, []
             continue
         upcoming = None
         if last.healthy():
@@ -300,8 +305,12 @@ def verify_upcast(ctx: VerifyContext, rec: Recommendation, origin: Optional[Orig
     for mech in mechanisms(ctx.baseline, chosen):
         if len(mech.instances) > 1:
             evidence += f"; {mech.sentence(chosen)}"
-    tight = [i for mech in mechanisms(last, chosen) for i in mech.instances if i.reason] if finite else []
+    left = [i for mech in mechanisms(last, chosen) for i in mech.instances if i.reason] if finite else []
+    hiding = [i.module for i in left if i.reason == "hides an overflow"]
+    tight = [i for i in left if i.reason != "hides an overflow"]
     title = f"run only {what} in float32 in {', '.join(chosen)}; AMP stays on for the rest of the module"
+    if hiding:
+        evidence += f"; an op still makes inf/NaN that a later op hides in {', '.join(hiding[:4])}"
     if tight:
         spare = min((i.headroom_bits for i in tight), default=math.inf)
         title += f" (holds at this step, with {spare:.2f} bits to spare)"
@@ -311,6 +320,7 @@ def verify_upcast(ctx: VerifyContext, rec: Recommendation, origin: Optional[Orig
                 f"one op's result in float32 per call ({site.numel} elements); the modules' Linear layers stay in "
                 f"{ctx.low_dtype}")
     return dataclasses.replace(
-        rec, modules=tuple(chosen), title=title, snippet=upcast_snippet(chosen, site),
-        verified=finite and exact and not tight, evidence=evidence, cost=cost,
+        rec, modules=tuple(chosen), title=title,
+        snippet=upcast_snippet(chosen, site.op, site.occurrence, site.location),
+        verified=finite and exact and not tight and not hiding, evidence=evidence, cost=cost,
     )
