@@ -15,6 +15,7 @@ from ..records import BATCH, LOSS, Cost, FormatLimits, ModuleCall, ModuleInfo, P
 from ..thresholds import MARGIN_BITS, SCALE_WINDOW_LOSS_SHARE
 from .fallback import Fp32Fallback
 from .rewrites import FusedLog, ScaleFirst
+from .rewrites_lines import LineRewrite, line_rewrite
 from .rules import rule_of
 from .snippets import fallback_snippet
 
@@ -30,6 +31,7 @@ _EXTRA_BYTES = {"float16": 2, "bfloat16": 2}
 _MATMUL_CLASSES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
 RunFn = Callable[[float], PassTrace]
+_UNMET = "the pattern was not met"
 _CODE_FIXES = frozenset({"rewrite", "mask_constant", "fix_code", "fix_batch", "fix_loss", "fix_weights"})
 
 
@@ -283,7 +285,11 @@ def verify_recommendations(
     out: list[Recommendation] = []
     for rec in recs:
         try:
-            out.append(dataclasses.replace(_verify_one(ctx, findings, rec, origin, check_scale), rule=rec.rule))
+            result = _verify_one(ctx, findings, rec, origin, check_scale)
+            rule = rule_of(rec)
+            if rule is not None and rule.drop_unmet and _UNMET in result.evidence:
+                continue  # proposed on a hint that the re-run did not confirm: no false suggestion
+            out.append(dataclasses.replace(result, rule=rec.rule))
         except Exception as exc:  # a re-run that cannot run (float16-only kernel, out of memory): say so
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
             # Never offered as if it worked: the snippet would raise the same error in the user's training.
@@ -311,6 +317,9 @@ def _verify_one(
     loc = origin.op.location if origin is not None and origin.op is not None else None
     if kind == "rewrite" and rule is not None and rule.rewrite == "scale_first" and loc is not None:
         return _verify_rewrite(ctx, rec, ScaleFirst(loc.file, loc.line), check_scale)
+    line_mode = line_rewrite(rule.rewrite, _line(origin)) if kind == "rewrite" and rule is not None else None
+    if line_mode is not None:
+        return _verify_rewrite(ctx, rec, line_mode, check_scale)
     if kind == "bf16" and ctx.run_other_dtype is not None:
         ok = ctx.run_other_dtype(1.0).healthy()
         outcome = "forward and backward finite" if ok else "still non-finite"
@@ -329,7 +338,7 @@ def _verify_one(
 
 
 def _verify_rewrite(
-    ctx: VerifyContext, rec: Recommendation, mode: Union[FusedLog, ScaleFirst], check_scale: float
+    ctx: VerifyContext, rec: Recommendation, mode: Union[FusedLog, ScaleFirst, LineRewrite], check_scale: float
 ) -> Recommendation:
     """Re-run the step with the rewrite's own arithmetic (fixes.rewrites): verified when it was applied at least
     once, everywhere the pattern ran, and the step came out finite."""
@@ -341,9 +350,9 @@ def _verify_rewrite(
             at_one = ctx.run(1.0)
             if at_one.healthy():
                 last, note = at_one, f"; the backward overflows at scale {check_scale:g} but is finite at 1"
-    missed = mode.missed if isinstance(mode, ScaleFirst) else 0
+    missed = mode.missed if isinstance(mode, (ScaleFirst, LineRewrite)) else 0
     if not mode.applied or missed:
-        return dataclasses.replace(rec, evidence="re-ran the step with the rewrite: the pattern was not met "
+        return dataclasses.replace(rec, evidence=f"re-ran the step with the rewrite: {_UNMET} "
                                                  f"({mode.applied} time(s) applied, {missed} not), so nothing "
                                                  "was proven")
     ok = last.healthy()
@@ -387,4 +396,12 @@ def remedy_for(rec: Recommendation, origin: Optional[Origin]) -> Optional[Callab
     loc = origin.op.location if origin is not None and origin.op is not None else None
     if rule.rewrite == "scale_first" and loc is not None:
         return lambda model: ScaleFirst(loc.file, loc.line)
+    if line_rewrite(rule.rewrite, _line(origin)) is not None:
+        return lambda model: line_rewrite(rule.rewrite, _line(origin))
     return None
+
+
+def _line(origin: Optional[Origin]) -> Optional[tuple[str, int]]:
+    """The origin op's source line (None when the op or its line is unknown)."""
+    loc = origin.op.location if origin is not None and origin.op is not None else None
+    return (loc.file, loc.line) if loc is not None else None

@@ -1,0 +1,219 @@
+"""Code-level remedies as rules (issue 18, item 4), read from the origin op and its source line (pure: no torch).
+
+Each pair here is one rule of ``fixes.rules.RULES``: ``applies(ctx)`` reads the origin op's name, its Python-number
+arguments and the code of its line; ``propose(ctx)`` gives the rewrite with a short snippet. The re-run that
+verifies each one runs the rewrite's own arithmetic (``fixes.rewrites_lines``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Optional
+
+from ..records import BATCH, LOSS, Recommendation, SourceLocation
+
+if TYPE_CHECKING:
+    from .rules import Context
+
+
+def _base(op: str) -> str:
+    return op.split(".")[0]
+
+
+def _origin_line(ctx: Context, ops: frozenset[str]) -> Optional[SourceLocation]:
+    """The forward origin's source line when its op is one of ``ops`` (None otherwise)."""
+    op = ctx.fwd.op if ctx.fwd is not None else None
+    if op is None or op.location is None or _base(op.op) not in ops:
+        return None
+    return op.location
+
+
+def _where(loc: SourceLocation) -> str:
+    return f"{loc.file.rsplit('/', 1)[-1]}:{loc.line}"
+
+
+def _modules(ctx: Context) -> tuple[str, ...]:
+    assert ctx.fwd is not None
+    return () if ctx.fwd.module in (LOSS, BATCH, "") else (ctx.fwd.module,)
+
+
+def _was(loc: SourceLocation) -> str:
+    return f"# was: {loc.code.strip()}\n"
+
+
+# -- exp of unbounded values ---------------------------------------------------------------------------------
+
+_EXP_OPS = frozenset({"aten::exp"})
+
+
+def exp_applies(ctx: Context) -> bool:
+    """``exp`` made inf from finite inputs (e**11.1 is past float16's max) at a line that calls it."""
+    loc = _origin_line(ctx, _EXP_OPS)
+    return loc is not None and "exp" in loc.code and ctx.fwd is not None and ctx.fwd.op is not None and (
+        ctx.fwd.op.output_posinf_count > 0 or ctx.fwd.op.output_nan_count > 0
+    )
+
+
+def subtract_max(ctx: Context) -> Recommendation:
+    assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
+    loc = ctx.fwd.op.location
+    return Recommendation(
+        action="rewrite",
+        modules=_modules(ctx),
+        title=f"subtract the max before exp at {_where(loc)}: exp of values above 11.09 is past the "
+        f"{ctx.run.limits.dtype} max; exp(x - max) is at most 1 and a ratio of exponentials is unchanged "
+        "(or use logsumexp / softmax, or clamp x)",
+        snippet=_was(loc) + "e = (x - x.amax(-1, keepdim=True)).exp()  # then e / e.sum(-1, keepdim=True) as before\n"
+        "# or: torch.logsumexp(x, -1), torch.softmax(x, -1), or x.clamp(max=math.log(torch.finfo(x.dtype).max))",
+    )
+
+
+# -- squares, norms and long sums ----------------------------------------------------------------------------
+
+_SQUARE_OPS = frozenset({"aten::pow", "aten::square", "aten::mul", "aten::add"})
+_SUM_OPS = frozenset({"aten::sum", "aten::mean", "aten::norm", "aten::linalg_vector_norm", "aten::var",
+                      "aten::std", "aten::frobenius_norm"})
+# ``x**2``, ``x.pow(2)``, ``torch.square(x)``, ``x * x`` (one name on both sides), a norm.
+_SQUARE_CODE = re.compile(r"\*\*\s*2(?![\d.])|pow\(\s*2\s*\)|square\(|norm\(|\b(\w+)\s*\*\s*\1\b(?!\s*\()")
+
+
+def squares_applies(ctx: Context) -> bool:
+    """A square, a product of a value with itself, a norm or a sum/mean overflowed at a line that computes one."""
+    loc = _origin_line(ctx, _SQUARE_OPS | _SUM_OPS)
+    if loc is None or ctx.fwd is None or ctx.fwd.op is None:
+        return False
+    if _base(ctx.fwd.op.op) in _SUM_OPS:
+        return True
+    return _SQUARE_CODE.search(loc.code) is not None
+
+
+def accumulate_in_float32(ctx: Context) -> Recommendation:
+    assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
+    loc = ctx.fwd.op.location
+    return Recommendation(
+        action="rewrite",
+        modules=_modules(ctx),
+        title=f"square and sum in float32 at {_where(loc)}: the squares (or their sum) pass the "
+        f"{ctx.run.limits.dtype} max ({ctx.run.limits.max:g}, a value above 256 squared); cast up before the "
+        "square and keep the result in float32, or divide by a known scale first",
+        snippet=_was(loc) + "y = x.float().pow(2).mean(-1, keepdim=True)  # e.g. (x - u).float().pow(2)..., "
+        "re.float()**2 + im.float()**2\n# or pre-scale: s = x.abs().amax(-1, keepdim=True); "
+        "y = (x / s).pow(2).mean(-1, keepdim=True) * s**2",
+    )
+
+
+# -- an eps below float16's resolution -----------------------------------------------------------------------
+
+_EPS_OPS = frozenset({"aten::div", "aten::rsqrt", "aten::reciprocal", "aten::log", "aten::sqrt", "aten::pow",
+                      "aten::mul"})
+_NUMBER = re.compile(r"(?<![\w.])(\d+\.?\d*[eE]-\d+|0\.\d+)")
+
+
+def tiny_literal(ctx: Context) -> Optional[str]:
+    """A number on the origin's line (or F.normalize's default eps) below the format's smallest normal: it rounds
+    to 0 (or to a subnormal whose reciprocal is past the max), so it protects no division."""
+    loc = _origin_line(ctx, _EPS_OPS)
+    if loc is None:
+        return None
+    for text in _NUMBER.findall(loc.code):
+        if 0 < float(text) < ctx.run.limits.tiny:
+            return text
+    if "normalize(" in loc.code and "eps" not in loc.code:
+        return "1e-12"  # F.normalize's default
+    return None
+
+
+def eps_from_finfo(ctx: Context) -> Recommendation:
+    assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
+    loc, eps, limits = ctx.fwd.op.location, tiny_literal(ctx), ctx.run.limits
+    normalize = "normalize(" in loc.code
+    return Recommendation(
+        action="rewrite",
+        modules=_modules(ctx),
+        title=f"an eps the format can hold at {_where(loc)}: {eps} is below {limits.dtype}'s smallest normal "
+        f"({limits.tiny:g}), so it rounds to 0 and the division by zero stays; derive it from torch.finfo",
+        snippet=_was(loc)
+        + ("y = torch.nn.functional.normalize(x, dim=-1, eps=torch.finfo(x.dtype).eps)" if normalize else
+           "y = x / (std + torch.finfo(std.dtype).eps)  # or torch.sqrt(var + torch.finfo(var.dtype).eps)"),
+    )
+
+
+# -- a loss computed in float16 ------------------------------------------------------------------------------
+
+
+def loss_in_low_precision(ctx: Context) -> bool:
+    """The loss function made the non-finite value with an op that ran in the low-precision format."""
+    op = ctx.fwd.op if ctx.fwd is not None else None
+    return ctx.fwd is not None and ctx.fwd.module == LOSS and op is not None and op.output_dtype == ctx.run.limits.dtype
+
+
+def loss_outside_autocast(ctx: Context) -> Recommendation:
+    assert ctx.fwd is not None and ctx.fwd.op is not None
+    op = ctx.fwd.op
+    where = f" ({op.op} at {_where(op.location)})" if op.location is not None else f" ({op.op})"
+    return Recommendation(
+        action="fix_loss",
+        modules=(),
+        title=f"compute the loss outside autocast, in float32: its ops ran in {ctx.run.limits.dtype} and one "
+        f"overflowed{where}",
+        snippet=f"with torch.autocast({ctx.run.device_type!r}, enabled=False):\n"
+        "    loss = loss_fn(output.float(), targets)",
+    )
+
+
+# -- Sigmoid followed by BCELoss -----------------------------------------------------------------------------
+
+_BCE_CODE = re.compile(r"bce|binary_cross_entropy", re.IGNORECASE)
+
+
+def bce_applies(ctx: Context) -> bool:
+    """The gradient leaving the loss is non-finite at scale 1, and the loss is a BCE (its line says so) or the
+    model has a Sigmoid module; the re-run keeps it only where a sigmoid's output really reached
+    ``binary_cross_entropy`` (rule ``drop_unmet``)."""
+    bwd = ctx.bwd
+    if bwd is None or bwd.module != LOSS:
+        return False
+    loc = bwd.op.location if bwd.op is not None else None
+    return (loc is not None and _BCE_CODE.search(loc.code) is not None) or any(
+        m.class_name == "Sigmoid" for m in ctx.modules
+    )
+
+
+def bce_with_logits(ctx: Context) -> Recommendation:
+    return Recommendation(
+        action="fix_loss",
+        modules=(),
+        title="use binary_cross_entropy_with_logits on the logits instead of BCELoss after a sigmoid: the float16 "
+        "sigmoid rounds to exactly 0 or 1 and BCE's gradient 1/(p(1-p)) is then past the max at any loss scale",
+        snippet="criterion = torch.nn.BCEWithLogitsLoss()  # drop the model's final Sigmoid\n"
+        "loss = criterion(logits, targets)  # or F.binary_cross_entropy_with_logits(logits, targets)\n"
+        "probabilities = torch.sigmoid(logits)  # where you need them (inference)",
+    )
+
+
+# -- a mask constant scaled into the scores: ``(1.0 - mask) * -1e9`` ------------------------------------------
+
+_SCALE_OPS = frozenset({"aten::mul"})
+
+
+def scaled_mask_value(ctx: Context) -> Optional[float]:
+    """A multiply by a Python number beyond the format's max (``(1.0 - mask) * -1e9``) makes ±inf."""
+    loc = _origin_line(ctx, _SCALE_OPS)
+    if loc is None or ctx.fwd is None or ctx.fwd.op is None:
+        return None
+    big = (v for v in ctx.fwd.op.scalar_args if abs(v) >= ctx.run.limits.overflow_threshold)
+    # A mask's constant is a large negative number (or the line says mask): not any multiply past the max.
+    return next((v for v in big if v < 0 or "mask" in loc.code.lower()), None)
+
+
+def scaled_mask_constant(ctx: Context) -> Recommendation:
+    assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
+    loc, limits = ctx.fwd.op.location, ctx.run.limits
+    return Recommendation(
+        action="mask_constant",
+        modules=_modules(ctx),
+        title=f"the mask constant {scaled_mask_value(ctx):g} at {_where(loc)} does not fit {limits.dtype} (max "
+        f"{limits.max:g}): (1 - mask) times it is -inf, and a row with no key left is NaN; use the dtype's own "
+        "minimum",
+        snippet=_was(loc) + "extended = (1.0 - mask) * torch.finfo(scores.dtype).min",
+    )
