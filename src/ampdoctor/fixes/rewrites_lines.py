@@ -235,12 +235,14 @@ def _float32_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 _SIGMOID = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)
+_HELD = 64  # sigmoid outputs held at most (over training steps, verify_steps, they would pile up)
 
 
 class BceWithLogits(LineRewrite):
     """``F.binary_cross_entropy(p, y)`` where ``p`` is the very tensor a ``sigmoid(x)`` returned is computed as
     ``F.binary_cross_entropy_with_logits(x, y)`` (what ``nn.BCEWithLogitsLoss`` runs): the gradient reaches the
-    logits without passing through the saturated sigmoid. Holds the sigmoids' inputs until the mode exits."""
+    logits without passing through the saturated sigmoid. Holds the latest sigmoids' inputs until a BCE takes them
+    or the mode exits."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -249,7 +251,7 @@ class BceWithLogits(LineRewrite):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.binary_cross_entropy and args and id(args[0]) in self._made:
-            made, logits = self._made[id(args[0])]
+            made, logits = self._made.pop(id(args[0]))
             if made is args[0]:
                 target = args[1] if len(args) > 1 else kwargs["target"]
                 weight = args[2] if len(args) > 2 else kwargs.get("weight")
@@ -260,6 +262,8 @@ class BceWithLogits(LineRewrite):
         out = func(*args, **kwargs)
         if func in _SIGMOID and args and isinstance(out, torch.Tensor):
             self._made[id(out)] = (out, args[0])
+            if len(self._made) > _HELD:  # sigmoids no BCE took (attention gates): keep the most recent only
+                del self._made[next(iter(self._made))]
         return out
 
     def __exit__(
