@@ -17,7 +17,7 @@ from .fallback import Fp32Fallback
 from .rewrites import FusedLog, ScaleFirst
 from .rewrites_lines import LineRewrite, line_rewrite
 from .rules import rule_of
-from .snippets import fallback_snippet
+from .snippets import fallback_snippet, scale_literal
 
 # How many re-runs the loop makes before it gives up (each round adds an origin's mechanism, or the instances
 # still inside the margin).
@@ -349,7 +349,7 @@ def _verify_rewrite(
         if last.forward_healthy() and not last.healthy() and check_scale > 1:
             at_one = ctx.run(1.0)
             if at_one.healthy():
-                last, note = at_one, f"; the backward overflows at scale {check_scale:g} but is finite at 1"
+                last, note = at_one, f"; the backward overflows at scale {_scale_text(check_scale)} but is finite at 1"
     missed = mode.missed if isinstance(mode, (ScaleFirst, LineRewrite)) else 0
     if not mode.applied or missed:
         return dataclasses.replace(rec, evidence=f"re-ran the step with the rewrite: {_UNMET} "
@@ -358,7 +358,7 @@ def _verify_rewrite(
     ok = last.healthy()
     spare = math.log2(ctx.limits.max / mode.peak) if ctx.limits is not None and mode.peak > 0 else math.inf
     evidence = (
-        f"re-ran the step at scale {check_scale:g} computing the rewritten arithmetic "
+        f"re-ran the step at scale {_scale_text(check_scale)} computing the rewritten arithmetic "
         f"({per_run} time(s) per step): " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
                                           if ok else "still non-finite") + note
     )
@@ -369,6 +369,12 @@ def _verify_rewrite(
         return dataclasses.replace(rec, title=title, verified=False, evidence=evidence + (
             f", inside the {ctx.margin_bits:g}-bit margin"))
     return dataclasses.replace(rec, verified=ok, evidence=evidence)
+
+
+def _scale_text(scale: float) -> str:
+    """65536, or 2.0**40 for a large power of two (no six-digit mantissa in any rendering)."""
+    literal = scale_literal(scale)
+    return literal if "**" in literal else f"{scale:g}"
 
 
 def _proposed_scale(findings: Findings) -> Optional[float]:
