@@ -368,3 +368,33 @@ def test_loss_emulation_is_the_loss_outside_autocast() -> None:
         assert not torch.isfinite(_mse_sum(out, X))
     assert emulated.dtype == torch.float32 and torch.isfinite(rewritten)
     assert torch.equal(emulated, rewritten)
+
+
+def _square(t: torch.Tensor) -> torch.Tensor:
+    return t * t  # its own line: not the origin's
+
+
+class SquareOfHelper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = _linear([4.0] * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(_square(self.fc(x)) ** 2)  # 16**2 = 256 fits; 256**2 = 65536 does not
+
+
+def test_the_line_rewrite_acts_at_its_line_only() -> None:
+    """Ops of a function called from the origin's line run at their own line (the op zoom's innermost user
+    frame): the helper's square stays float16, only the line's own square runs in float32."""
+    model = Net(SquareOfHelper())
+    report = _diagnose(model, loss_fn=_loss)
+    origin = report.forward_origin
+    assert origin is not None and origin.op is not None and origin.op.op.startswith("aten::pow")
+    assert report.recommendations[0].rule == "squares_fp32" and report.recommendations[0].verified
+    mode = Float32AtLine(*_origin_line(report))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        with mode:
+            emulated = model.block(X)
+        inner = _square(model.block.fc(X))
+        rewritten = torch.log(inner.float() ** 2)
+    assert mode.applied == 1 and inner.dtype == torch.float16 and torch.equal(emulated, rewritten)

@@ -18,6 +18,7 @@ precision (for the margin). The frame walks that place an op at a line run in ve
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from types import CodeType, FrameType, TracebackType
@@ -37,14 +38,17 @@ def _user_frames() -> Optional[FrameType]:
     return sys._getframe(2)
 
 
+# Library code between the user's line and the op: torch's Python (F.normalize, nn.Module.__call__) and ours.
+_LIBRARY = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+
+
 def _runs_line(where: tuple[str, int]) -> bool:
-    """Whether the current op is called (directly or through library code) from ``file:line``."""
+    """Whether the current op's innermost user frame (the first outside torch and ampdoctor, as the op zoom
+    names it) is at ``file:line``: an op of a function called from that line is not at it."""
     frame = _user_frames()
-    while frame is not None:
-        if frame.f_lineno == where[1] and frame.f_code.co_filename == where[0]:
-            return True
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY):
         frame = frame.f_back
-    return False
+    return frame is not None and frame.f_lineno == where[1] and frame.f_code.co_filename == where[0]
 
 
 def _inside(code: CodeType) -> bool:

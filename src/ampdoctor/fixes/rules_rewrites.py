@@ -16,6 +16,15 @@ if TYPE_CHECKING:
     from .rules import Context
 
 
+# What each rewrite costs (besides an edit of the code): all are cheaper than a module in float32.
+SUBTRACT_MAX_COST = "an edit of the code; one amax per call, nothing in float32"
+SQUARES_COST = "an edit of the code; that line's squares and sums in float32 (2x their bytes), nothing else"
+EPS_COST = "an edit of the code; none at run time"
+LOSS_COST = "an edit of the loss; its ops in float32 (the loss's inputs at 2x their bytes)"
+BCE_COST = "an edit of the model's head and loss; none at run time (one fused op)"
+MASK_COST = "an edit of the code; none at run time"
+
+
 def _base(op: str) -> str:
     return op.split(".")[0]
 
@@ -74,7 +83,7 @@ _SQUARE_OPS = frozenset({"aten::pow", "aten::square", "aten::mul", "aten::add"})
 _SUM_OPS = frozenset({"aten::sum", "aten::mean", "aten::norm", "aten::linalg_vector_norm", "aten::var",
                       "aten::std", "aten::frobenius_norm"})
 # ``x**2``, ``x.pow(2)``, ``torch.square(x)``, ``x * x`` (one name on both sides), a norm.
-_SQUARE_CODE = re.compile(r"\*\*\s*2(?![\d.])|pow\(\s*2\s*\)|square\(|norm\(|\b(\w+)\s*\*\s*\1\b(?!\s*\()")
+_SQUARE_CODE = re.compile(r"\*\*\s*2(?![\d.])|pow\(\s*2\s*\)|square\(|norm\(|\b(\w+)\s*\*\s*\1(?![\w.(\[])")
 
 
 def squares_applies(ctx: Context) -> bool:
