@@ -8,8 +8,10 @@ verifies each one runs the rewrite's own arithmetic (``fixes.rewrites_lines``).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from ..analysis import Findings
 from ..records import BATCH, LOSS, Recommendation, SourceLocation
 
 if TYPE_CHECKING:
@@ -29,12 +31,38 @@ def _base(op: str) -> str:
     return op.split(".")[0]
 
 
-def _origin_line(ctx: Context, ops: frozenset[str]) -> Optional[SourceLocation]:
-    """The forward origin's source line when its op is one of ``ops`` (None otherwise)."""
-    op = ctx.fwd.op if ctx.fwd is not None else None
-    if op is None or op.location is None or _base(op.op) not in ops:
+@dataclass(frozen=True)
+class Site:
+    """The op a rewrite fixes: the forward origin's op, or (with no forward origin) the first hidden overflow with
+    a source line (an op that made inf/NaN a later op hid)."""
+
+    op: str  # "aten::pow"
+    location: SourceLocation
+    module: str
+    scalar_args: tuple[float, ...]  # Python numbers passed to the op (the origin's op zoom only)
+    hidden: bool
+
+
+def site(ctx: Context) -> Optional[Site]:
+    return site_of(ctx.findings)
+
+
+def site_of(findings: Findings) -> Optional[Site]:
+    fwd = findings.forward_origin
+    if fwd is not None:
+        if fwd.op is None or fwd.op.location is None:
+            return None
+        return Site(_base(fwd.op.op), fwd.op.location, fwd.module, fwd.op.scalar_args, False)
+    found = next((h for h in findings.hidden if h.location is not None and h.count != 0), None)
+    if found is None or found.location is None:
         return None
-    return op.location
+    return Site("aten::" + found.op, found.location, found.module, (), True)
+
+
+def _origin_line(ctx: Context, ops: frozenset[str]) -> Optional[SourceLocation]:
+    """The line of the op to fix when it is one of ``ops`` (None otherwise)."""
+    at = site(ctx)
+    return at.location if at is not None and at.op in ops else None
 
 
 def _where(loc: SourceLocation) -> str:
@@ -42,8 +70,21 @@ def _where(loc: SourceLocation) -> str:
 
 
 def _modules(ctx: Context) -> tuple[str, ...]:
-    assert ctx.fwd is not None
-    return () if ctx.fwd.module in (LOSS, BATCH, "") else (ctx.fwd.module,)
+    at = site(ctx)
+    assert at is not None
+    return () if at.module in (LOSS, BATCH, "") else (at.module,)
+
+
+def _loc(ctx: Context) -> SourceLocation:
+    at = site(ctx)
+    assert at is not None
+    return at.location
+
+
+def _hidden_note(ctx: Context) -> str:
+    at = site(ctx)
+    return " (a later op hides the inf today; a larger input or a sibling overflows for real)" if (
+        at is not None and at.hidden) else ""
 
 
 def _was(loc: SourceLocation) -> str:
@@ -58,20 +99,19 @@ _EXP_OPS = frozenset({"aten::exp"})
 def exp_applies(ctx: Context) -> bool:
     """``exp`` made inf from finite inputs (e**11.1 is past float16's max) at a line that calls it."""
     loc = _origin_line(ctx, _EXP_OPS)
-    return loc is not None and "exp" in loc.code and ctx.fwd is not None and ctx.fwd.op is not None and (
-        ctx.fwd.op.output_posinf_count > 0 or ctx.fwd.op.output_nan_count > 0
-    )
+    op = ctx.fwd.op if ctx.fwd is not None else None
+    made = op is None or op.output_posinf_count > 0 or op.output_nan_count > 0  # a hidden overflow made some
+    return loc is not None and "exp" in loc.code and made
 
 
 def subtract_max(ctx: Context) -> Recommendation:
-    assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
-    loc = ctx.fwd.op.location
+    loc = _loc(ctx)
     return Recommendation(
         action="rewrite",
         modules=_modules(ctx),
         title=f"subtract the max before exp at {_where(loc)}: exp of values above 11.09 is past the "
-        f"{ctx.run.limits.dtype} max; exp(x - max) is at most 1 and a ratio of exponentials is unchanged "
-        "(or use logsumexp / softmax, or clamp x)",
+        f"{ctx.run.limits.dtype} max{_hidden_note(ctx)}; exp(x - max) is at most 1 and a ratio of exponentials "
+        "is unchanged (or use logsumexp / softmax, or clamp x)",
         snippet=_was(loc) + "e = (x - x.amax(-1, keepdim=True)).exp()  # then e / e.sum(-1, keepdim=True) as before\n"
         "# or: torch.logsumexp(x, -1), torch.softmax(x, -1), or x.clamp(max=math.log(torch.finfo(x.dtype).max))",
     )
@@ -88,23 +128,20 @@ _SQUARE_CODE = re.compile(r"\*\*\s*2(?![\d.])|pow\(\s*2\s*\)|square\(|norm\(|\b(
 
 def squares_applies(ctx: Context) -> bool:
     """A square, a product of a value with itself, a norm or a sum/mean overflowed at a line that computes one."""
-    loc = _origin_line(ctx, _SQUARE_OPS | _SUM_OPS)
-    if loc is None or ctx.fwd is None or ctx.fwd.op is None:
+    at = site(ctx)
+    if at is None or at.op not in _SQUARE_OPS | _SUM_OPS:
         return False
-    if _base(ctx.fwd.op.op) in _SUM_OPS:
-        return True
-    return _SQUARE_CODE.search(loc.code) is not None
+    return at.op in _SUM_OPS or _SQUARE_CODE.search(at.location.code) is not None
 
 
 def accumulate_in_float32(ctx: Context) -> Recommendation:
-    assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
-    loc = ctx.fwd.op.location
+    loc = _loc(ctx)
     return Recommendation(
         action="rewrite",
         modules=_modules(ctx),
         title=f"square and sum in float32 at {_where(loc)}: the squares (or their sum) pass the "
-        f"{ctx.run.limits.dtype} max ({ctx.run.limits.max:g}, a value above 256 squared); cast up before the "
-        "square and keep the result in float32, or divide by a known scale first",
+        f"{ctx.run.limits.dtype} max ({ctx.run.limits.max:g}, a value above 256 squared){_hidden_note(ctx)}; cast "
+        "up before the square and keep the result in float32, or divide by a known scale first",
         snippet=_was(loc) + "y = x.float().pow(2).mean(-1, keepdim=True)  # e.g. (x - u).float().pow(2)..., "
         "re.float()**2 + im.float()**2\n# or pre-scale: s = x.abs().amax(-1, keepdim=True); "
         "y = (x / s).pow(2).mean(-1, keepdim=True) * s**2",
@@ -133,8 +170,7 @@ def tiny_literal(ctx: Context) -> Optional[str]:
 
 
 def eps_from_finfo(ctx: Context) -> Recommendation:
-    assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
-    loc, eps, limits = ctx.fwd.op.location, tiny_literal(ctx), ctx.run.limits
+    loc, eps, limits = _loc(ctx), tiny_literal(ctx), ctx.run.limits
     normalize = "normalize(" in loc.code
     return Recommendation(
         action="rewrite",
@@ -203,26 +239,28 @@ def bce_with_logits(ctx: Context) -> Recommendation:
 # -- a mask constant scaled into the scores: ``(1.0 - mask) * -1e9`` ------------------------------------------
 
 _SCALE_OPS = frozenset({"aten::mul"})
+_LITERAL = re.compile(r"(?<![\w.])(-?\s*\d+\.?\d*(?:[eE]\+?\d+)?)(?![\w.])")
 
 
 def scaled_mask_value(ctx: Context) -> Optional[float]:
-    """A multiply by a Python number beyond the format's max (``(1.0 - mask) * -1e9``) makes ±inf."""
-    loc = _origin_line(ctx, _SCALE_OPS)
-    if loc is None or ctx.fwd is None or ctx.fwd.op is None:
+    """A multiply by a Python number beyond the format's max (``(1.0 - mask) * -1e9``) makes ±inf: the op zoom's
+    number, or for a hidden overflow the line's literal."""
+    at = site(ctx)
+    if at is None or at.op not in _SCALE_OPS:
         return None
-    big = (v for v in ctx.fwd.op.scalar_args if abs(v) >= ctx.run.limits.overflow_threshold)
+    numbers = at.scalar_args or tuple(float(m.replace(" ", "")) for m in _LITERAL.findall(at.location.code))
+    big = (v for v in numbers if abs(v) >= ctx.run.limits.overflow_threshold)
     # A mask's constant is a large negative number (or the line says mask): not any multiply past the max.
-    return next((v for v in big if v < 0 or "mask" in loc.code.lower()), None)
+    return next((v for v in big if v < 0 or "mask" in at.location.code.lower()), None)
 
 
 def scaled_mask_constant(ctx: Context) -> Recommendation:
-    assert ctx.fwd is not None and ctx.fwd.op is not None and ctx.fwd.op.location is not None
-    loc, limits = ctx.fwd.op.location, ctx.run.limits
+    loc, limits = _loc(ctx), ctx.run.limits
     return Recommendation(
         action="mask_constant",
         modules=_modules(ctx),
         title=f"the mask constant {scaled_mask_value(ctx):g} at {_where(loc)} does not fit {limits.dtype} (max "
-        f"{limits.max:g}): (1 - mask) times it is -inf, and a row with no key left is NaN; use the dtype's own "
-        "minimum",
+        f"{limits.max:g}): (1 - mask) times it is -inf, and a row with no key left is NaN{_hidden_note(ctx)}; use the "
+        "dtype's own minimum",
         snippet=_was(loc) + "extended = (1.0 - mask) * torch.finfo(scores.dtype).min",
     )

@@ -17,6 +17,7 @@ from .fallback import Fp32Fallback
 from .rewrites import FusedLog, ScaleFirst
 from .rewrites_lines import LineRewrite, line_rewrite
 from .rules import rule_of
+from .rules_rewrites import Site, site_of
 from .snippets import fallback_snippet, scale_literal
 
 # How many re-runs the loop makes before it gives up (each round adds an origin's mechanism, or the instances
@@ -317,9 +318,11 @@ def _verify_one(
     loc = origin.op.location if origin is not None and origin.op is not None else None
     if kind == "rewrite" and rule is not None and rule.rewrite == "scale_first" and loc is not None:
         return _verify_rewrite(ctx, rec, ScaleFirst(loc.file, loc.line), check_scale)
-    line_mode = line_rewrite(rule.rewrite, _line(origin)) if kind == "rewrite" and rule is not None else None
+    at = site_of(findings)
+    where = (at.location.file, at.location.line) if at is not None else None
+    line_mode = line_rewrite(rule.rewrite, where) if kind == "rewrite" and rule is not None else None
     if line_mode is not None:
-        return _verify_rewrite(ctx, rec, line_mode, check_scale)
+        return _verify_rewrite(ctx, rec, line_mode, check_scale, at)
     if kind == "bf16" and ctx.run_other_dtype is not None:
         ok = ctx.run_other_dtype(1.0).healthy()
         outcome = "forward and backward finite" if ok else "still non-finite"
@@ -338,7 +341,11 @@ def _verify_one(
 
 
 def _verify_rewrite(
-    ctx: VerifyContext, rec: Recommendation, mode: Union[FusedLog, ScaleFirst, LineRewrite], check_scale: float
+    ctx: VerifyContext,
+    rec: Recommendation,
+    mode: Union[FusedLog, ScaleFirst, LineRewrite],
+    check_scale: float,
+    at: Optional[Site] = None,
 ) -> Recommendation:
     """Re-run the step with the rewrite's own arithmetic (fixes.rewrites): verified when it was applied at least
     once, everywhere the pattern ran, and the step came out finite."""
@@ -355,7 +362,10 @@ def _verify_rewrite(
         return dataclasses.replace(rec, evidence=f"re-ran the step with the rewrite: {_UNMET} "
                                                  f"({mode.applied} time(s) applied, {missed} not), so nothing "
                                                  "was proven")
-    ok = last.healthy()
+    left = _still_overflowing(last, at)
+    ok = last.healthy() and not left
+    if left:
+        note += f"; {left[0]} at that line still makes inf/NaN"
     spare = math.log2(ctx.limits.max / mode.peak) if ctx.limits is not None and mode.peak > 0 else math.inf
     evidence = (
         f"re-ran the step at scale {_scale_text(check_scale)} computing the rewritten arithmetic "
@@ -369,6 +379,19 @@ def _verify_rewrite(
         return dataclasses.replace(rec, title=title, verified=False, evidence=evidence + (
             f", inside the {ctx.margin_bits:g}-bit margin"))
     return dataclasses.replace(rec, verified=ok, evidence=evidence)
+
+
+def _still_overflowing(trace: PassTrace, at: Optional[Site]) -> list[str]:
+    """The re-run's op overflows at the rewritten site (a hidden overflow the rewrite left): at its line, or, for
+    an op only flagged by the survey (no line), the same op in the same module."""
+    if at is None:
+        return []
+    where, op = (at.location.file, at.location.line), at.op.split("::")[-1]
+    return [
+        f"{o.op} (hidden by {o.hidden_by or 'a later op'})" for o in trace.op_overflows
+        if o.count != 0 and ((o.location.file, o.location.line) == where if o.location is not None
+                             else (o.module, o.op) == (at.module, op))
+    ]
 
 
 def _scale_text(scale: float) -> str:
