@@ -222,16 +222,14 @@ class LossInFloat32(LineRewrite):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if not _inside(self._CODE):
+            return func(*args, **kwargs)
         tensors = _tensors(args)
-        if tensors and any(t.dtype in LOW for t in tensors) and _inside(self._CODE):
-            with torch.autocast(tensors[0].device.type, enabled=False):
-                out = func(*_float32(args), **_float32_kwargs(kwargs))
-            self.applied += 1
-            return out
-        if _inside(self._CODE):
-            with torch.autocast(tensors[0].device.type if tensors else "cpu", enabled=False):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        with torch.autocast(tensors[0].device.type if tensors else "cpu", enabled=False):
+            if any(t.dtype in LOW for t in tensors):
+                self.applied += 1
+                return func(*_float32(args), **_float32_kwargs(kwargs))
+            return func(*args, **kwargs)
 
 
 def _float32_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
