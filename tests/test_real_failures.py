@@ -286,20 +286,17 @@ def test_bce_saturated_sigmoid_gradient_is_non_finite_at_every_scale() -> None:
     assert report.recommendations[0].action == "fix_loss"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (misleading remedy): for Sigmoid -> BCELoss the only loss remedy is 'reduce it (mean instead of "
-    "sum) or compute the loss in float32'; the loss is already a mean, CPU autocast already runs BCE in float32, "
-    "and its snippet `loss = criterion(output.float(), targets)` still sends inf into the model (the sigmoid's "
-    "float16 output is exactly 1.0; see test_bce_premise_loss_in_float32_does_not_help_and_with_logits_does). "
-    "The fix torch itself names, binary_cross_entropy_with_logits on the logits, is not offered, and nothing is "
-    "verified.",
-)
 def test_bce_remedy_is_bce_with_logits() -> None:
+    """The loss in float32 does not help (the sigmoid's float16 output is exactly 1.0 already; see
+    test_bce_premise_loss_in_float32_does_not_help_and_with_logits_does): the first remedy is the one torch names,
+    binary_cross_entropy_with_logits on the logits, verified by a re-run that computes it."""
     model, batch, kwargs = cases.sigmoid_bce()
     report = _diagnose(model, batch, **kwargs)
     texts = [(r.title + " " + r.snippet).lower() for r in report.recommendations]
     assert any("with_logits" in t or "withlogits" in t for t in texts), texts
+    first = report.recommendations[0]
+    assert first.rule == "bce_with_logits" and first.verified, report.to_text()
+    assert "BCEWithLogitsLoss()" in first.snippet and "computing the rewritten arithmetic" in first.evidence
 
 
 # -- NVIDIA/apex#379: log(softmax(x)) underflows to log(0) in float16 ---------------------------------------------
@@ -518,18 +515,23 @@ def test_additive_mask_minus_1e9_with_an_empty_sequence_names_the_mask_line() ->
     assert any(r.action == "bf16" and r.verified for r in report.recommendations)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (missing remedy): the op zoom names aten::mul.Tensor with scalar_args (-1e9,) on the line "
-    "`(1.0 - mask...) * -1e9`, but the mask-constant rule (fixes/recommend.py _mask_constant) only looks at FILL_OPS "
-    "(masked_fill, fill, full, where, new_full, scalar_tensor), so the README's 'a mask constant that fits float16 "
-    "(torch.finfo(dtype).min instead of -1e9)' is not offered for the additive-mask form of the same mistake; "
-    "only bfloat16 is.",
-)
 def test_additive_mask_minus_1e9_offers_the_finfo_min_constant() -> None:
+    """The op zoom names aten::mul.Tensor with scalar_args (-1e9,) on the line `(1.0 - mask...) * -1e9`: the
+    mask-constant remedy covers this additive form too, verified by re-running the line with finfo.min."""
     model, batch, kwargs = cases.additive_mask_minus_1e9(empty_sequence=True)
     report = _diagnose(model, batch, **kwargs)
     assert any(r.action == "mask_constant" for r in report.recommendations), report.to_text()
+    first = report.recommendations[0]
+    assert first.rule == "scaled_mask_constant" and first.verified, report.to_text()
+    assert "-1e+09" in first.title and "(1.0 - mask) * torch.finfo(scores.dtype).min" in first.snippet
+    # The rewritten line, run for real: the empty row is a finite uniform softmax.
+    attn = model.attn
+    x, mask = batch
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        q, k, v = attn.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) / 4.0
+        extended = (1.0 - mask[:, None, :].to(scores.dtype)) * torch.finfo(scores.dtype).min
+        assert torch.isfinite(model.head(attn.out((scores + extended).softmax(dim=-1) @ v))).all()
 
 
 @pytest.mark.xfail(
