@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..records import LOSS, OpOverflow
-from .stats import INTERNAL, measuring
+from ..records import LOSS, FormatLimits, OpOverflow
+from .stats import INTERNAL, format_limits, measuring
 from .zoom import innermost_user_line
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -327,16 +327,21 @@ class HiddenWatch(TorchFunctionMode):
         self.values.append(torch.count_nonzero(finite))
         if node.category == ARITH:
             made = finite.logical_not_()  # reuses the mask: one temporary of o's size in bytes
-            limit = torch.finfo(o.dtype).max
-            operands = list(args[:2]) + [v for k, v in kwargs.items() if k == "other"]
+            limits = format_limits(o.dtype)
+            operands = list(args[:2]) + [v for k, v in kwargs.items() if k in ("other", "alpha")]
             for i, a in enumerate(operands):
                 if inplace and i == 0:
                     continue  # ``x += y``: x's old values are gone (it is the output)
                 if isinstance(a, torch.Tensor):
+                    if a.dtype == torch.bool or a.is_complex():
+                        continue  # 0 or 1: never at the max
                     a = a.detach()
                     made &= torch.isfinite(a)
-                    made &= a.abs() < limit
-                elif isinstance(a, (int, float)) and not (math.isfinite(a) and abs(a) < limit):
+                    # At the max *in the output's format*: a wider operand beyond its range (a float32 -1e9, a
+                    # float32 finfo.min) rounds to inf there, a constant float16 cannot hold: not a sentinel.
+                    low = a if a.dtype == o.dtype else a.to(o.dtype)
+                    made &= (low.abs() < limits.max) | torch.isinf(low)
+                elif isinstance(a, (int, float)) and not _makes_with_scalar(a, limits):
                     made.zero_()
             self.values.append(torch.count_nonzero(made))
         else:  # every non-finite element was made (the op's inputs were finite)
@@ -437,6 +442,16 @@ def _resolved(category: int, tensors: list[torch.Tensor], args: Any) -> int:
     if category != CAST:
         return category
     return MAKE if tensors[0].dtype in LOW_DTYPES and _wider_input(args) else VIEW
+
+
+def _makes_with_scalar(value: float, limits: FormatLimits) -> bool:
+    """Elementwise arithmetic with a Python scalar can make values: unless the scalar is an intentional non-finite
+    value (``x + float("-inf")``) or a finite one at the format's max (``finfo.min`` mask arithmetic). A finite
+    constant the format cannot hold (``* -1e9`` in float16: beyond 65520 it rounds to -inf) is no sentinel: it is
+    the overflow, made from finite values."""
+    if not math.isfinite(value):
+        return False
+    return not limits.max <= abs(value) < limits.overflow_threshold
 
 
 def counted_op(func: Any, args: Any, out: Any) -> Optional[str]:
