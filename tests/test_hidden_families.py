@@ -276,3 +276,46 @@ def test_known_limit_a_write_through_data_is_found_but_its_hider_is_not_seen() -
     assert [(h.module, h.op, h.hidden_by) for h in report.findings.hidden] == [
         ("block", "mul", ampdoctor.analysis.NOT_VISIBLE)
     ]
+
+
+class _MaskedScores(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * 10000.0 + mask).softmax(-1)
+
+
+class _MaskedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = _MaskedScores()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.att(x, mask))
+
+
+def test_known_limit_an_overflow_in_the_same_add_as_an_intentional_minus_inf_mask_is_not_seen() -> None:
+    """Pins a limit (README, "What it cannot see"): the survey's one `aminmax` per output cannot tell the -inf an
+    intentional mask brought into `scores + mask` from a -inf the same add made at other elements (-60000 plus
+    scores below -5520), so the add counts as passing the mask on, softmax hides the made -inf, and the step reads
+    HEALTHY. Catching it would take an extra elementwise pass over every masked score tensor in every survey."""
+    torch.manual_seed(0)
+    model = _MaskedNet()
+    with torch.no_grad():
+        model.att.fc.weight.mul_(3.0)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    mask = torch.full((8,), -60000.0)
+    mask[4:] = 0.0
+    mask[0] = float("-inf")  # the intentional mask: key 0 is never attended
+    mask = mask.half()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        scores = model.att.fc(x) * 10000.0
+        assert torch.isfinite(scores).all()
+        made = torch.isinf(scores + mask) & torch.isfinite(mask)
+        assert int(made.sum()) == 3  # real overflows, beside the mask's 4 (one per row)
+        assert torch.isfinite(model(x, mask)).all()
+    report = ampdoctor.diagnose(model, (x, mask))
+    assert report.findings.hidden == () and report.verdict == "healthy"  # the limit: should be hidden_overflow
