@@ -113,6 +113,11 @@ def _int_cast(h: torch.Tensor) -> torch.Tensor:
     return h * gate * 1000.0
 
 
+def _tensor_constant(h: torch.Tensor) -> torch.Tensor:
+    fill = torch.tensor(-1e9, dtype=h.dtype, device=h.device)  # -inf in float16, silently
+    return torch.where(h > 0, h, fill).softmax(-1) * BIG
+
+
 # case: (hide, op the watch names, the hiding op, text on the line)
 CASES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str, str, str]] = {
     "clamp": (_clamp, "mul", "clamp", "torch.clamp(h * BIG"),
@@ -130,6 +135,7 @@ CASES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str, str, str]] =
     "view_inplace": (_view_inplace, "mul", "clamp", "y[:, :4].mul_(BIG)"),
     "where_fill_minus_1e9": (_where_fill_minus_1e9, "where", "softmax", "torch.where(h > 0, h, -1e9)"),
     "int_cast": (_int_cast, "to", "clamp", "positions.to(h.dtype)"),
+    "tensor_constant": (_tensor_constant, "tensor", "softmax", "torch.tensor(-1e9, dtype=h.dtype"),
     "setitem_minus_1e9": (_setitem_minus_1e9, "setitem", "softmax", "y[h < 0] = -1e9"),
 }
 

@@ -74,7 +74,11 @@ _DUNDERS = {
 }
 # Selections that can write a constant into their output (a Python number, or a 0-d tensor); ``masked_fill``, ``fill_``
 # and ``full`` raise on a constant the format cannot hold, these round it to inf silently.
-FILL_SELECTS = frozenset({"where", "setitem", "index_put"})
+FILL_SELECTS = frozenset(
+    {"where", "setitem", "index_put", "tensor", "as_tensor", "scalar_tensor", "new_tensor"}
+)
+# How many numbers of a list argument (``torch.tensor([0.0, -1e9])``) are looked at.
+_MAX_LISTED = 64
 
 # func -> (op name, what the code called, category, in place); learned once per function, per process.
 _INFO: dict[Any, tuple[str, str, int, bool]] = {}
@@ -146,7 +150,7 @@ def oversized_fill(dtype: torch.dtype, args: Any, kwargs: Any) -> bool:
     threshold = _OVERFLOW_AT.get(dtype)
     if threshold is None:
         return False
-    for a in (*args, *kwargs.values()):
+    for a in _numbers(args, kwargs):
         if isinstance(a, float):
             value = a
         elif (
@@ -159,6 +163,23 @@ def oversized_fill(dtype: torch.dtype, args: Any, kwargs: Any) -> bool:
         if math.isfinite(value) and abs(value) >= threshold:
             return True
     return False
+
+
+def _numbers(args: Any, kwargs: Any) -> list[Any]:
+    """The arguments, with a list or tuple of numbers (a ``torch.tensor`` literal) flattened, up to a bound."""
+    found: list[Any] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            todo = list(a)
+            while todo and len(found) < _MAX_LISTED:
+                v = todo.pop()
+                if isinstance(v, (list, tuple)):
+                    todo.extend(v)
+                else:
+                    found.append(v)
+        else:
+            found.append(a)
+    return found
 
 
 def makes_with_scalar(value: float, limits: FormatLimits) -> bool:
