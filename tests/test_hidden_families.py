@@ -325,3 +325,22 @@ def test_known_limit_an_overflow_in_the_same_add_as_an_intentional_minus_inf_mas
         assert torch.isfinite(model(x, mask)).all()
     report = ampdoctor.diagnose(model, (x, mask))
     assert report.findings.hidden == () and report.verdict == "healthy"  # the limit: should be hidden_overflow
+
+
+def test_known_limit_arithmetic_on_a_computed_value_at_the_max_counts_as_mask_arithmetic() -> None:
+    """Pins a limit (README, "What it cannot see"): per element, an operand at float16's max is taken for an
+    additive `finfo.min` mask, whatever made it. A computed value that rounds to 65504 and is then doubled makes
+    inf that is counted as a sentinel, and the clamp hides it: HEALTHY."""
+
+    def at_the_max(h: torch.Tensor) -> torch.Tensor:
+        y = h * 0.0 + 65500.0  # rounds to 65504, float16's max, computed (not a fill)
+        return (y * 2.0).clamp(max=BIG) / BIG * h
+
+    torch.manual_seed(0)
+    model = Net(at_the_max)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        h = model.block.fc(x)
+        assert float((h * 0.0 + 65500.0).max()) == 65504.0 and torch.isinf((h * 0.0 + 65500.0) * 2.0).all()
+    report = ampdoctor.diagnose(model, x)
+    assert report.findings.hidden == () and report.verdict == "healthy"  # the limit: should be hidden_overflow
