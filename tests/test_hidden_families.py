@@ -303,11 +303,10 @@ class _MaskedNet(nn.Module):
         return self.head(self.att(x, mask))
 
 
-def test_known_limit_an_overflow_in_the_same_add_as_an_intentional_minus_inf_mask_is_not_seen() -> None:
-    """Pins a limit (README, "What it cannot see"): the survey's one `aminmax` per output cannot tell the -inf an
-    intentional mask brought into `scores + mask` from a -inf the same add made at other elements (-60000 plus
-    scores below -5520), so the add counts as passing the mask on, softmax hides the made -inf, and the step reads
-    HEALTHY. Catching it would take an extra elementwise pass over every masked score tensor in every survey."""
+def test_an_overflow_in_the_same_add_as_an_intentional_minus_inf_mask_is_found() -> None:
+    """`scores + mask`: the mask (an input) brings its own -inf (key 0), and the same add makes -inf at other
+    elements (-60000 plus scores below -5520), which softmax hides. The survey's reduction of the output where the
+    mask is finite tells them apart; the re-run counts only the made ones (3), not the mask's 4."""
     torch.manual_seed(0)
     model = _MaskedNet()
     with torch.no_grad():
@@ -323,8 +322,28 @@ def test_known_limit_an_overflow_in_the_same_add_as_an_intentional_minus_inf_mas
         made = torch.isinf(scores + mask) & torch.isfinite(mask)
         assert int(made.sum()) == 3  # real overflows, beside the mask's 4 (one per row)
         assert torch.isfinite(model(x, mask)).all()
+    before = snapshot(model)
     report = ampdoctor.diagnose(model, (x, mask))
-    assert report.findings.hidden == () and report.verdict == "healthy"  # the limit: should be hidden_overflow
+    assert_untouched(model, before)
+    assert report.verdict == "hidden_overflow", report.to_text()
+    assert [(h.module, h.op, h.hidden_by, h.count) for h in report.findings.hidden] == [("att", "add", "softmax", 3)]
+    (hidden,) = report.findings.hidden
+    assert hidden.location is not None and "self.fc(x) * 10000.0 + mask" in hidden.location.code
+
+
+def test_an_intentional_minus_inf_mask_alone_is_not_an_overflow() -> None:
+    """The same model with scores that fit beside the mask: the add only passes the mask's -inf on (HEALTHY)."""
+    torch.manual_seed(0)
+    model = _MaskedNet()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(8)
+    mask[0] = float("-inf")
+    mask[1] = torch.finfo(torch.float16).min  # a finfo.min key beside it: mask arithmetic where the sum overflows
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        scores = model.att.fc(x) * 10000.0
+        assert torch.isfinite(scores).all() and torch.isinf(scores + mask.half())[:, 1].any()
+    report = ampdoctor.diagnose(model, (x, mask.half()))
+    assert report.findings.hidden == () and report.verdict == "healthy", report.to_text()
 
 
 def test_known_limit_arithmetic_on_a_computed_value_at_the_max_counts_as_mask_arithmetic() -> None:
@@ -343,4 +362,44 @@ def test_known_limit_arithmetic_on_a_computed_value_at_the_max_counts_as_mask_ar
         h = model.block.fc(x)
         assert float((h * 0.0 + 65500.0).max()) == 65504.0 and torch.isinf((h * 0.0 + 65500.0) * 2.0).all()
     report = ampdoctor.diagnose(model, x)
+    assert report.findings.hidden == () and report.verdict == "healthy"  # the limit: should be hidden_overflow
+
+
+class _BaddbmmScores(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)  # (1, 4, 8)
+        return torch.baddbmm(mask, h * 100.0, h.transpose(1, 2) * -100.0).softmax(-1)
+
+
+class _BaddbmmNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = _BaddbmmScores()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.att(x, mask))
+
+
+def test_known_limit_baddbmm_onto_an_intentional_minus_inf_mask_passes_it_on() -> None:
+    """Pins a limit (README, "What it cannot see"): `baddbmm(mask, q, k)` is not elementwise arithmetic, so with
+    the mask's own -inf among its inputs it counts as passing it on; the -inf it makes beside it (-60000 plus
+    scores below -5520) is not seen and softmax hides it: HEALTHY."""
+    torch.manual_seed(0)
+    model = _BaddbmmNet()
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(1))
+    mask = torch.full((1, 4, 4), -60000.0)
+    mask[..., 0] = float("-inf")
+    mask = mask.half()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        h = model.att.fc(x)
+        scores = torch.baddbmm(mask, h * 100.0, h.transpose(1, 2) * -100.0)
+        assert scores.dtype == torch.float16 and torch.isfinite((h * 100.0) @ (h.transpose(1, 2) * -100.0)).all()
+        assert bool((torch.isinf(scores) & torch.isfinite(mask)).any())  # made beside the mask's own -inf
+        assert torch.isfinite(model(x, mask)).all()
+    report = ampdoctor.diagnose(model, (x, mask))
     assert report.findings.hidden == () and report.verdict == "healthy"  # the limit: should be hidden_overflow

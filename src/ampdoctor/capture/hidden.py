@@ -45,6 +45,7 @@ from .hidden_ops import (
     LOW_DTYPES,
     LOW_NAMES,
     MAKE,
+    MASK_FILLS,
     SELECT,
     SHAPE_ONLY_OPS,
     SKIP,
@@ -68,7 +69,7 @@ class _Node:
     """One op (or one unknown input) as the watch saw it: plain values, no tensor."""
 
     __slots__ = ("call", "name", "called", "occurrence", "category", "inputs", "consumers", "first", "outputs",
-                 "dtype", "numel", "counts", "location")
+                 "dtype", "numel", "counts", "location", "masks", "unmasked")
 
     def __init__(self, call: Optional[int], name: str, called: str, occurrence: int, category: int,
                  inputs: tuple[int, ...]) -> None:
@@ -85,6 +86,8 @@ class _Node:
         self.numel = 0
         self.counts = -1  # targets: index of (finite count, made count) in HiddenWatch.values
         self.location: Any = None
+        self.masks: tuple[int, ...] = ()  # arithmetic: inputs that may be intentional masks (fills, unseen inputs)
+        self.unmasked = -1  # arithmetic with masks: index of the (min, max) of its output where they are finite
 
 
 class Paused:
@@ -189,6 +192,8 @@ class HiddenWatch(TorchFunctionMode):
         low = [t for t in tensors if t.dtype in LOW_DTYPES and t.numel()]
         if low:
             self._measure(node, low)
+            if category == ARITH:
+                self._measure_unmasked(node, low[0], args, inplace)
             if self.targets and category != SELECT and self._key(node) in self.targets:
                 self._classify(node, low[0], args, kwargs, inplace)
         elif tensors[0].numel() and any(self.nodes[i].dtype in LOW_NAMES for i in inputs):
@@ -231,6 +236,30 @@ class HiddenWatch(TorchFunctionMode):
         for t in tensors:
             self.values.append(torch.aminmax(t.detach()))  # one fused reduction; inf, -inf and NaN show in it
             self._count += 2
+
+    def _measure_unmasked(self, node: _Node, out: torch.Tensor, args: Any, inplace: bool) -> None:
+        """Arithmetic with an operand that may be an intentional mask (``scores + mask``, the mask a fill or an
+        input the watch did not see made): one more fused reduction, of the output where those operands are
+        finite, so that a ``-inf`` the op made beside the mask's own is not taken for the mask passed on."""
+        keep: Optional[torch.Tensor] = None
+        masks: list[int] = []
+        for i, a in enumerate(args[:2]):
+            if (inplace and i == 0) or not isinstance(a, torch.Tensor) or a.dtype not in LOW_DTYPES:
+                continue
+            found = self._where.get(id(a))
+            if found is None or found[0]() is not a or not found[1]:
+                continue
+            if not all(self.nodes[s].category == INPUT or self.nodes[s].name in MASK_FILLS for s in found[1]):
+                continue
+            masks.extend(found[1])
+            finite = torch.isfinite(a.detach())
+            keep = finite if keep is None else keep & finite
+        if keep is None:
+            return
+        node.masks = tuple(masks)
+        node.unmasked = self._count
+        self.values.append(torch.aminmax(torch.where(keep, out.detach(), 0)))
+        self._count += 2
 
     def _remember(self, t: torch.Tensor, nodes: tuple[int, ...]) -> None:
         try:
@@ -313,8 +342,12 @@ class HiddenWatch(TorchFunctionMode):
         for i, n in enumerate(nodes):
             if not bad[i] or n.first < 0 or n.category not in (MAKE, ARITH, CAST) or n.dtype not in LOW_NAMES:
                 continue
-            if any(bad[s] for s in n.inputs):
-                continue  # passed a non-finite value on
+            if any(bad[s] for s in n.inputs) and (
+                n.unmasked < 0
+                or any(bad[s] for s in n.inputs if s not in n.masks)
+                or all(math.isfinite(v) for v in values[n.unmasked : n.unmasked + 2])
+            ):
+                continue  # passed a non-finite value on (a mask's -inf and nothing beside it)
             count: Optional[int] = None
             sentinels = 0
             if n.counts >= 0:

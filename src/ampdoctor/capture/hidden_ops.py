@@ -77,6 +77,12 @@ _DUNDERS = {
 FILL_SELECTS = frozenset(
     {"where", "setitem", "index_put", "tensor", "as_tensor", "scalar_tensor", "new_tensor"}
 )
+# Ops whose output may be an intentional mask (``-inf`` or ``finfo.min`` where a key is not attended): an operand
+# of arithmetic made by one of these (or an input the watch did not see made) gets its -inf set aside per element.
+MASK_FILLS = frozenset(
+    {"masked_fill", "where", "full", "full_like", "new_full", "fill", "triu", "tril", "setitem", "index_fill",
+     "index_put", "masked_scatter", "tensor", "as_tensor", "scalar_tensor", "new_tensor", "cat", "stack"}
+)
 # How many numbers of a list argument (``torch.tensor([0.0, -1e9])``) are looked at.
 _MAX_LISTED = 64
 
