@@ -80,7 +80,7 @@ def diagnose(
         batch: a Tensor (``model(batch)``), a tuple/list (``model(*batch)``) or a dict (``model(**batch)``).
         loss_fn: ``loss_fn(output, batch) -> scalar``. Without it: a scalar output, ``output.loss``, or a
             surrogate (the mean of the floating outputs), which the report names.
-        dtype: ``torch.float16`` or ``torch.bfloat16``.
+        dtype: ``torch.float16`` or ``torch.bfloat16`` (or a name: ``"fp16"``, ``"float16"``, ``"bf16"``, ...).
         device_type: autocast device type; default: the parameters' device.
         scaler: a ``GradScaler`` (``torch.amp`` or the deprecated ``torch.cuda.amp``); only ``get_scale()`` is
             read. Without it, float16 uses GradScaler's default 2**16 and bfloat16 is unscaled.

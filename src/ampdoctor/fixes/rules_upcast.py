@@ -33,10 +33,13 @@ UPCAST_COST = "one op's result in float32 (2x its bytes) and that op at float32 
 
 
 def op_site_applies(ctx: Context) -> bool:
-    """A forward origin in a module (not the root, the loss or the batch) whose op has a source line and is not a
-    fused kernel."""
+    """An overflow (an inf made: float32's range helps; a NaN from 0/0 or a log of a negative it does not) at a
+    forward origin in a module (not the root, the loss or the batch) whose op has a source line and is not a fused
+    kernel."""
     origin = ctx.fwd
-    if origin is None or origin.module in ("", LOSS, BATCH) or origin.op is None or origin.op.location is None:
+    if ctx.findings.verdict != "overflow" or origin is None or origin.module in ("", LOSS, BATCH):
+        return False
+    if origin.op is None or origin.op.location is None:
         return False
     return not origin.op.op.startswith(_FUSED_PREFIXES)
 

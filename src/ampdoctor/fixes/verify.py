@@ -15,8 +15,10 @@ from ..records import BATCH, LOSS, Cost, FormatLimits, ModuleCall, ModuleInfo, P
 from ..thresholds import MARGIN_BITS, SCALE_WINDOW_LOSS_SHARE
 from .fallback import Fp32Fallback
 from .rewrites import FusedLog, ScaleFirst
+from .rewrites_lines import LineRewrite, line_rewrite
 from .rules import rule_of
-from .snippets import fallback_snippet
+from .rules_rewrites import Site, site_of
+from .snippets import fallback_snippet, scale_literal
 from .upcast import Fp32Op
 from .verify_upcast import pasted_site, verify_upcast
 
@@ -32,6 +34,7 @@ _EXTRA_BYTES = {"float16": 2, "bfloat16": 2}
 _MATMUL_CLASSES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
 RunFn = Callable[[float], PassTrace]
+_UNMET = "the pattern was not met"
 _CODE_FIXES = frozenset({"rewrite", "mask_constant", "fix_code", "fix_batch", "fix_loss", "fix_weights"})
 
 
@@ -285,10 +288,13 @@ def verify_recommendations(
     out: list[Recommendation] = []
     for rec in recs:
         try:
-            done = _verify_one(ctx, findings, rec, origin, check_scale)
-            if done is None:
-                continue  # not offered: the re-run showed the proposal does not apply (fixes.verify_upcast)
-            out.append(dataclasses.replace(done, rule=rec.rule))
+            result = _verify_one(ctx, findings, rec, origin, check_scale)
+            if result is None:
+                continue  # not offered: the re-run showed the op cannot be upcast alone (fixes.verify_upcast)
+            rule = rule_of(rec)
+            if rule is not None and rule.drop_unmet and _UNMET in result.evidence:
+                continue  # proposed on a hint that the re-run did not confirm: no false suggestion
+            out.append(dataclasses.replace(result, rule=rec.rule))
         except Exception as exc:  # a re-run that cannot run (float16-only kernel, out of memory): say so
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
             # Never offered as if it worked: the snippet would raise the same error in the user's training.
@@ -319,6 +325,11 @@ def _verify_one(
     loc = origin.op.location if origin is not None and origin.op is not None else None
     if kind == "rewrite" and rule is not None and rule.rewrite == "scale_first" and loc is not None:
         return _verify_rewrite(ctx, rec, ScaleFirst(loc.file, loc.line), check_scale)
+    at = site_of(findings)
+    where = (at.location.file, at.location.line) if at is not None else None
+    line_mode = line_rewrite(rule.rewrite, where) if kind == "rewrite" and rule is not None else None
+    if line_mode is not None:
+        return _verify_rewrite(ctx, rec, line_mode, check_scale, at)
     if kind == "bf16" and ctx.run_other_dtype is not None:
         ok = ctx.run_other_dtype(1.0).healthy()
         outcome = "forward and backward finite" if ok else "still non-finite"
@@ -337,7 +348,11 @@ def _verify_one(
 
 
 def _verify_rewrite(
-    ctx: VerifyContext, rec: Recommendation, mode: Union[FusedLog, ScaleFirst], check_scale: float
+    ctx: VerifyContext,
+    rec: Recommendation,
+    mode: Union[FusedLog, ScaleFirst, LineRewrite],
+    check_scale: float,
+    at: Optional[Site] = None,
 ) -> Recommendation:
     """Re-run the step with the rewrite's own arithmetic (fixes.rewrites): verified when it was applied at least
     once, everywhere the pattern ran, and the step came out finite."""
@@ -348,16 +363,19 @@ def _verify_rewrite(
         if last.forward_healthy() and not last.healthy() and check_scale > 1:
             at_one = ctx.run(1.0)
             if at_one.healthy():
-                last, note = at_one, f"; the backward overflows at scale {check_scale:g} but is finite at 1"
-    missed = mode.missed if isinstance(mode, ScaleFirst) else 0
+                last, note = at_one, f"; the backward overflows at scale {_scale_text(check_scale)} but is finite at 1"
+    missed = mode.missed if isinstance(mode, (ScaleFirst, LineRewrite)) else 0
     if not mode.applied or missed:
-        return dataclasses.replace(rec, evidence="re-ran the step with the rewrite: the pattern was not met "
+        return dataclasses.replace(rec, evidence=f"re-ran the step with the rewrite: {_UNMET} "
                                                  f"({mode.applied} time(s) applied, {missed} not), so nothing "
                                                  "was proven")
-    ok = last.healthy()
+    left = _still_overflowing(last, at)
+    ok = last.healthy() and not left
+    if left:
+        note += f"; {left[0]} at that line still makes inf/NaN"
     spare = math.log2(ctx.limits.max / mode.peak) if ctx.limits is not None and mode.peak > 0 else math.inf
     evidence = (
-        f"re-ran the step at scale {check_scale:g} computing the rewritten arithmetic "
+        f"re-ran the step at scale {_scale_text(check_scale)} computing the rewritten arithmetic "
         f"({per_run} time(s) per step): " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
                                           if ok else "still non-finite") + note
     )
@@ -368,6 +386,25 @@ def _verify_rewrite(
         return dataclasses.replace(rec, title=title, verified=False, evidence=evidence + (
             f", inside the {ctx.margin_bits:g}-bit margin"))
     return dataclasses.replace(rec, verified=ok, evidence=evidence)
+
+
+def _still_overflowing(trace: PassTrace, at: Optional[Site]) -> list[str]:
+    """The re-run's op overflows at the rewritten site (a hidden overflow the rewrite left): at its line, or, for
+    an op only flagged by the survey (no line), the same op in the same module."""
+    if at is None:
+        return []
+    where, op = (at.location.file, at.location.line), at.op.split("::")[-1]
+    return [
+        f"{o.op} (hidden by {o.hidden_by or 'a later op'})" for o in trace.op_overflows
+        if o.count != 0 and ((o.location.file, o.location.line) == where if o.location is not None
+                             else (o.module, o.op) == (at.module, op))
+    ]
+
+
+def _scale_text(scale: float) -> str:
+    """65536, or 2.0**40 for a large power of two (no six-digit mantissa in any rendering)."""
+    literal = scale_literal(scale)
+    return literal if "**" in literal else f"{scale:g}"
 
 
 def _proposed_scale(findings: Findings) -> Optional[float]:
@@ -398,4 +435,12 @@ def remedy_for(rec: Recommendation, origin: Optional[Origin]) -> Optional[Callab
     loc = origin.op.location if origin is not None and origin.op is not None else None
     if rule.rewrite == "scale_first" and loc is not None:
         return lambda model: ScaleFirst(loc.file, loc.line)
+    if line_rewrite(rule.rewrite, _line(origin)) is not None:
+        return lambda model: line_rewrite(rule.rewrite, _line(origin))
     return None
+
+
+def _line(origin: Optional[Origin]) -> Optional[tuple[str, int]]:
+    """The origin op's source line (None when the op or its line is unknown)."""
+    loc = origin.op.location if origin is not None and origin.op is not None else None
+    return (loc.file, loc.line) if loc is not None else None
