@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,20 @@ def ckpt(tmp_path: Path) -> Path:
     path = tmp_path / "mlp.pt"
     torch.save(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).state_dict(), path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def default_sigint() -> Iterator[None]:
+    """Python's own Ctrl-C handler, as in a terminal: a shell starts background jobs with SIGINT ignored, where a
+    Ctrl-C cannot reach the CLI and a KeyboardInterrupt cannot be told from one (these tests would then fail)."""
+    if not hasattr(signal, "SIGINT"):
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture()
