@@ -280,7 +280,7 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
     findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy)
     if cpu_policy:
         findings = _check_policy_notes(session, findings, modules, final.scale)
-    recommendations = recommend(findings, run_info, modules)
+    recommendations = recommend(findings, run_info, modules, options.margin_bits)
     if options.verify and recommendations:
         recommendations = _verify(
             session, runner, modules, survey, findings, recommendations, used_scale, scale_finding,

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ..analysis import Findings, NearLimit, Origin
+from ..analysis.scale import margin_scale
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
+from ..thresholds import MARGIN_BITS
 from .snippets import fallback_snippet, scale_literal
 
 Situation = Literal["batch", "loss", "weights", "forward", "scale", "backward", "no_window", "other"]
@@ -37,6 +39,7 @@ class Context:
     findings: Findings
     run: RunInfo
     modules: tuple[ModuleInfo, ...] = ()
+    margin_bits: float = MARGIN_BITS  # a recommended loss scale keeps this many bits below the largest finite one
 
     @property
     def fwd(self) -> Optional[Origin]:
@@ -233,6 +236,7 @@ def _safe_scale(ctx: Context) -> Recommendation:
     scale = ctx.findings.scale
     assert scale is not None and scale.largest_finite_scale is not None
     safe = scale.largest_finite_scale
+    start = margin_scale(safe, ctx.margin_bits)
     return Recommendation(
         action="loss_scale",
         modules=(),
@@ -240,8 +244,9 @@ def _safe_scale(ctx: Context) -> Recommendation:
             f"gradients overflow at scale {scale.used_scale:g} but are finite at {safe:g}: "
             + ("GradScaler's skip-and-back-off handles this; optionally start lower"
                if scale.harmless else "GradScaler would have to back off to a scale that loses gradients")
+            + (f" (start at {start:g}, {ctx.margin_bits:g} bit(s) below it)" if start < safe else "")
         ),
-        snippet=f"scaler = torch.amp.GradScaler({ctx.run.device_type!r}, init_scale={scale_literal(safe)})",
+        snippet=f"scaler = torch.amp.GradScaler({ctx.run.device_type!r}, init_scale={scale_literal(start)})",
     )
 
 
@@ -279,7 +284,8 @@ def _underflows(ctx: Context) -> bool:
 def _raise_scale(ctx: Context) -> Recommendation:
     under, window, run = ctx.findings.underflow, ctx.findings.window, ctx.run
     assert under is not None
-    bigger = window.max_safe if window is not None and window.max_safe else run.scale * 2.0**8
+    bigger = margin_scale(window.max_safe, ctx.margin_bits) if window is not None and window.max_safe else (
+        run.scale * 2.0**8)
     return Recommendation(
         action="loss_scale",
         modules=tuple(s.module for s in under.spots[:5]),
@@ -308,7 +314,8 @@ def _into_window(ctx: Context) -> Recommendation:
         modules=(),
         title=f"the loss scale {run.scale:g} is outside the measured window "
         f"[{window.min_useful:g}, {window.max_safe:g}]",
-        snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={scale_literal(window.max_safe)})",
+        snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, "
+        f"init_scale={scale_literal(margin_scale(window.max_safe, ctx.margin_bits))})",
     )
 
 

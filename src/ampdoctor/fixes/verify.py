@@ -10,12 +10,14 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from ..analysis import Findings, Origin, backward_origin, forward_origin
+from ..analysis.margin import PathTensor, path_headroom
 from ..analysis.mechanisms import Instance, Mechanism, mechanism_of
 from ..records import BATCH, LOSS, Cost, FormatLimits, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
-from ..thresholds import MARGIN_BITS, SCALE_WINDOW_LOSS_SHARE
+from ..thresholds import MARGIN_BITS
 from .fallback import Fp32Fallback
 from .rewrites import FusedLog, ScaleFirst
 from .rules import rule_of
+from .scale_check import verify_loss_scale
 from .snippets import fallback_snippet
 
 # How many re-runs the loop makes before it gives up (each round adds an origin's mechanism, or the instances
@@ -200,6 +202,8 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
         current, add = None, []
         if last.healthy():
             add = [i.module for i in _inside_margin(ctx, last, chosen)]
+            for module in _hidden_left(last, chosen):  # a hidden overflow left elsewhere: its mechanism joins
+                add += [m for m in _group(ctx, module, chosen + add) if m not in add]
             if add and len(tried) >= MAX_FALLBACK_ROUNDS:
                 break  # reported below as holding at this step, without the margin
             continue
@@ -209,11 +213,40 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
     return _finished(ctx, chosen, last, check_scale, scale_note)
 
 
-def _spare_bits(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> float:
-    """The smallest headroom left on the fixed mechanisms' low-precision outputs in the re-run."""
-    mechs = _mechanisms(ctx, trace, chosen)
-    bits = [i.headroom_bits for mech in mechs for i in mech.instances if i.module not in chosen]
-    return min(bits, default=math.inf)
+def _hidden_left(trace: PassTrace, chosen: list[str]) -> list[str]:
+    """Modules (not the loss, not the root) where an op still made inf/NaN from finite inputs in ``trace``, hidden
+    or not, outside the fallback set: a remedy must cover them too."""
+    found = {o.module for o in trace.op_overflows if o.count != 0}
+    return sorted(m for m in found if m not in (LOSS, BATCH, "") and not _within(m, chosen))
+
+
+def _path(ctx: VerifyContext, trace: PassTrace, chosen: list[str], inside: bool = False) -> list[PathTensor]:
+    """The low-precision tensors on the fixed mechanisms' path in ``trace`` (analysis.margin), least headroom
+    first: the fixed modules' and every instance's outputs and op peaks, and their consumers up to the next
+    normalisation or softmax. ``inside``: the fixed modules' own calls stay low precision (a rewrite)."""
+    if ctx.limits is None:
+        return []
+    instances = [i.module for mech in _mechanisms(ctx, trace, chosen) for i in mech.instances]
+    if inside:
+        return path_headroom(trace, [], [*chosen, *instances], ctx.limits)
+    return path_headroom(trace, chosen, instances, ctx.limits)
+
+
+def _spare_bits(ctx: VerifyContext, trace: PassTrace, chosen: list[str], inside: bool = False) -> float:
+    """The smallest headroom left on the fixed mechanisms' path in the re-run (inf when nothing is measured)."""
+    return min((p.headroom_bits for p in _path(ctx, trace, chosen, inside)), default=math.inf)
+
+
+def _margin_note(ctx: VerifyContext, tight: list[PathTensor]) -> str:
+    return f"; inside the {ctx.margin_bits:g}-bit margin on its path: " + ", ".join(p.describe() for p in tight[:4])
+
+
+def _hidden_note(trace: PassTrace) -> str:
+    left = [o for o in trace.op_overflows if o.count != 0]
+    if not left:
+        return ""
+    where = ", ".join(dict.fromkeys(f"{o.label} ({o.op})" for o in left))
+    return f"; but an op still makes inf/NaN from finite inputs (hidden or not): {where}"
 
 
 def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scale: float, scale_note: str
@@ -240,19 +273,25 @@ def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scal
     if share >= MAX_FALLBACK_WORK_SHARE:
         evidence += f"; it runs {share:.0%} of the step's low-precision work in float32 (little of AMP is left)"
     tight = _inside_margin(ctx, last, chosen)
+    on_path = [p for p in _path(ctx, last, chosen) if p.headroom_bits < ctx.margin_bits]
     title = f"run {', '.join(chosen)} in float32; AMP stays on everywhere else"
-    if tight:
+    if tight or on_path:
         spare = _spare_bits(ctx, last, chosen)
         title += f" (holds at this step, with {spare:.2f} bits to spare)"
-        evidence += f"; inside the {ctx.margin_bits:g}-bit margin: " + ", ".join(
-            f"{i.module} ({i.reason})" for i in tight[:4]
-        )
+        if tight:
+            evidence += f"; inside the {ctx.margin_bits:g}-bit margin: " + ", ".join(
+                f"{i.module} ({i.reason})" for i in tight[:4]
+            )
+        if on_path:
+            evidence += _margin_note(ctx, on_path)
+    hidden = _hidden_note(last)
+    evidence += hidden
     return Recommendation(
         action="fp32_fallback",
         modules=tuple(chosen),
         title=title,
         snippet=fallback_snippet(chosen, ctx.device_type),
-        verified=not changed and not tight,
+        verified=not changed and not tight and not on_path and last.overflow_free(),
         evidence=evidence,
         cost=fallback_cost(ctx.baseline, ctx.modules, chosen, ctx.low_dtype),
     )
@@ -312,19 +351,15 @@ def _verify_one(
     if kind == "rewrite" and rule is not None and rule.rewrite == "scale_first" and loc is not None:
         return _verify_rewrite(ctx, rec, ScaleFirst(loc.file, loc.line), check_scale)
     if kind == "bf16" and ctx.run_other_dtype is not None:
-        ok = ctx.run_other_dtype(1.0).healthy()
+        other = ctx.run_other_dtype(1.0)
+        ok = other.overflow_free()
         outcome = "forward and backward finite" if ok else "still non-finite"
+        if other.healthy() and not ok:
+            outcome = "finite" + _hidden_note(other)
         return dataclasses.replace(rec, verified=ok, evidence=f"re-ran the step in bfloat16 (unscaled): {outcome}")
-    scale = _proposed_scale(findings)
-    if kind == "loss_scale" and scale is not None:
-        ok = (ctx.run_unchanged or ctx.run)(scale).healthy()
-        evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
-        window = findings.window
-        probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None
-        if ok and window is not None and probe is not None and probe.lost_share is not None:
-            evidence += f", {probe.lost_share:.2%} of gradient values lost to zero ({window.reference})"
-            ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
-        return dataclasses.replace(rec, verified=ok, evidence=evidence)
+    if kind == "loss_scale":
+        return verify_loss_scale(ctx.run_unchanged or ctx.run, findings, rec, ctx.modules, ctx.limits,
+                                 ctx.margin_bits)
     return rec
 
 
@@ -355,20 +390,18 @@ def _verify_rewrite(
     )
     if ok and math.isfinite(spare):
         evidence += f"; its results keep {spare:.2f} bits below the {ctx.low_dtype} max"
+    hidden = _hidden_note(last) if ok else ""
+    evidence += hidden
+    # The rewritten modules stay in low precision: their outputs, op peaks and consumers keep the margin too.
+    tight = [p for p in _path(ctx, last, list(rec.modules), inside=True) if p.headroom_bits < ctx.margin_bits]
+    if ok and tight:
+        evidence += _margin_note(ctx, tight)
+        spare = min(spare, tight[0].headroom_bits)
     if ok and spare < ctx.margin_bits:
         title = f"{rec.title} (holds at this step, with {spare:.2f} bits to spare)"
         return dataclasses.replace(rec, title=title, verified=False, evidence=evidence + (
             f", inside the {ctx.margin_bits:g}-bit margin"))
-    return dataclasses.replace(rec, verified=ok, evidence=evidence)
-
-
-def _proposed_scale(findings: Findings) -> Optional[float]:
-    """The scale a loss-scale recommendation proposes: the largest finite one measured."""
-    if findings.scale is not None and findings.scale.largest_finite_scale:
-        return findings.scale.largest_finite_scale
-    if findings.window is not None and findings.window.max_safe:
-        return findings.window.max_safe
-    return None
+    return dataclasses.replace(rec, verified=ok and not hidden, evidence=evidence)
 
 
 def _needs_fix(findings: Findings) -> bool:
