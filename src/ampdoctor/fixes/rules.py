@@ -19,7 +19,7 @@ from ..analysis import Findings, NearLimit, Origin
 from ..analysis.scale import margin_scale
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
 from ..thresholds import MARGIN_BITS
-from .snippets import fallback_snippet, scale_literal
+from .snippets import fallback_snippet, scale_literal, stored_low
 
 Situation = Literal["batch", "loss", "weights", "forward", "scale", "backward", "no_window", "other"]
 # How a proposal is proven by a re-run (see fixes/verify.py): the float32 fallback loop from the origin, the step
@@ -160,7 +160,7 @@ def _mask_constant(ctx: Context) -> Recommendation:
     )
 
 
-def origin_fallback(origin: Origin, run: RunInfo, why: str) -> Recommendation:
+def origin_fallback(origin: Origin, run: RunInfo, why: str, modules: tuple[ModuleInfo, ...] = ()) -> Recommendation:
     """Run the origin module in float32; at the root (which would be the whole model), compute the op in float32."""
     if origin.module == "":
         where = ""
@@ -179,13 +179,14 @@ def origin_fallback(origin: Origin, run: RunInfo, why: str) -> Recommendation:
         action="fp32_fallback",
         modules=(origin.module,),
         title=f"run {origin.module} ({origin.class_name}) in float32: {why}",
-        snippet=fallback_snippet([origin.module], run.device_type),
+        snippet=fallback_snippet([origin.module], run.device_type, stored_low(modules, [origin.module])),
     )
 
 
 def _forward_fallback(ctx: Context) -> Recommendation:
     assert ctx.fwd is not None
-    return origin_fallback(ctx.fwd, ctx.run, f"its own code made {ctx.fwd.tensor} non-finite from finite inputs")
+    return origin_fallback(ctx.fwd, ctx.run, f"its own code made {ctx.fwd.tensor} non-finite from finite inputs",
+                           ctx.modules)
 
 
 def _keep_applies(ctx: Context) -> bool:
@@ -258,7 +259,7 @@ def _harmful_scale(ctx: Context) -> bool:
 
 def _scale_fallback(ctx: Context) -> Recommendation:
     assert ctx.bwd is not None
-    return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite")
+    return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite", ctx.modules)
 
 
 def _fix_loss_backward(ctx: Context) -> Recommendation:
@@ -274,7 +275,7 @@ def _fix_loss_backward(ctx: Context) -> Recommendation:
 
 def _backward_fallback(ctx: Context) -> Recommendation:
     assert ctx.bwd is not None
-    return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite even at scale 1")
+    return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite even at scale 1", ctx.modules)
 
 
 def _underflows(ctx: Context) -> bool:
@@ -333,7 +334,7 @@ def _near_limit_fallback(ctx: Context) -> Recommendation:
         modules=(near.module,),
         title=f"{near.label} is {near.headroom_bits:.2f} bit from the {ctx.run.limits.dtype} max: "
         "consider running it in float32 before it overflows",
-        snippet=fallback_snippet([near.module], ctx.run.device_type),
+        snippet=fallback_snippet([near.module], ctx.run.device_type, stored_low(ctx.modules, [near.module])),
     )
 
 

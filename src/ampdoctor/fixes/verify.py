@@ -18,7 +18,7 @@ from .fallback import Fp32Fallback
 from .rewrites import FusedLog, ScaleFirst
 from .rules import rule_of
 from .scale_check import verify_loss_scale
-from .snippets import fallback_snippet
+from .snippets import fallback_snippet, stored_low
 
 # How many re-runs the loop makes before it gives up (each round adds an origin's mechanism, or the instances
 # still inside the margin).
@@ -290,7 +290,7 @@ def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scal
         action="fp32_fallback",
         modules=tuple(chosen),
         title=title,
-        snippet=fallback_snippet(chosen, ctx.device_type),
+        snippet=fallback_snippet(chosen, ctx.device_type, stored_low(ctx.modules, chosen)),
         verified=not changed and not tight and not on_path and last.overflow_free(),
         evidence=evidence,
         cost=fallback_cost(ctx.baseline, ctx.modules, chosen, ctx.low_dtype),
