@@ -195,3 +195,38 @@ def test_the_fallback_snippet_for_float16_stored_weights_runs_as_written() -> No
     assert "functional_call" not in plain
     with pytest.raises(RuntimeError, match="dtype"), torch.autocast("cpu", dtype=torch.float16):
         exec(_recipe(plain), scope)  # noqa: S102
+
+
+class TwoHeads(nn.Module):
+    """fc: x = 100 times 1000 * I -> 100,000 (inf in float16: the origin). g: outputs (-20, 1) per row, which the
+    loss multiplies by 5000 in float16 (-100,000 -> -inf) before a softmax hides it: a hidden overflow in the loss,
+    which no float32 fallback of a module can cover."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.g = nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(4) * 1000.0)
+            self.g.weight.zero_()
+            self.g.weight[0, 0], self.g.weight[1, 0] = -0.2, 0.01
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fc(x), self.g(x)
+
+
+def _two_heads_loss(out: tuple[torch.Tensor, torch.Tensor], _: object) -> torch.Tensor:
+    a, b = out
+    return a.float().mean() * 1e-6 + torch.softmax(b * 5000.0, dim=-1)[:, 1].float().mean()
+
+
+def test_a_fix_whose_rerun_keeps_a_hidden_overflow_elsewhere_is_not_verified() -> None:
+    """The re-run with fc in float32 is healthy (PassTrace.healthy), every margin is kept, but the loss still makes
+    -inf that its softmax hides: not overflow-free, so the fallback is listed, not verified."""
+    report = ampdoctor.diagnose(TwoHeads(), torch.full((2, 4), 100.0), loss_fn=_two_heads_loss, device_type="cpu")
+    assert report.findings.forward_origin is not None and report.findings.forward_origin.label == "fc"
+    # At the diagnosed step the loss is inf anyway (fc's inf reaches it); its mul is recorded all the same.
+    assert [(o.label, o.op) for o in report.trace.op_overflows if o.module == "<loss>"] == [("<loss>", "mul")]
+    rec = _fallback(report)
+    assert rec.modules == ("fc",) and not rec.verified
+    assert "bits to spare" not in rec.title
+    assert "an op still makes inf/NaN from finite inputs (hidden or not): <loss> (mul)" in rec.evidence
