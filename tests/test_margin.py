@@ -230,3 +230,22 @@ def test_a_fix_whose_rerun_keeps_a_hidden_overflow_elsewhere_is_not_verified() -
     assert rec.modules == ("fc",) and not rec.verified
     assert "bits to spare" not in rec.title
     assert "an op still makes inf/NaN from finite inputs (hidden or not): <loss> (mul)" in rec.evidence
+
+
+@pytest.mark.slow
+def test_a_loss_scale_whose_margin_loses_gradients_is_not_verified() -> None:
+    """test_window's hand-set gradients: the window is [64, 2048]. One bit of margin recommends 1024 (useful:
+    verified); six bits recommend 2048 / 64 = 32, where a quarter of the gradient values flush to zero (measured
+    by the window), so it is listed, not verified."""
+    from test_window import _loss, _model
+
+    def first(margin: float) -> ampdoctor.Recommendation:
+        report = ampdoctor.diagnose(_model(), torch.ones(1, 1), loss_fn=_loss, scale=8.0, margin_bits=margin)
+        assert report.findings.window is not None and report.findings.window.max_safe == 2048.0
+        return next(r for r in report.recommendations if r.rule == "raise_scale")
+
+    one = first(1.0)
+    assert "init_scale=1024.0" in one.snippet and one.verified
+    six = first(6.0)
+    assert "init_scale=32.0" in six.snippet and not six.verified
+    assert "re-ran the step at scale 32: finite, 25.00% of gradient values lost to zero" in six.evidence
