@@ -249,3 +249,42 @@ def test_a_loss_scale_whose_margin_loses_gradients_is_not_verified() -> None:
     six = first(6.0)
     assert "init_scale=32.0" in six.snippet and not six.verified
     assert "re-ran the step at scale 32: finite, 25.00% of gradient values lost to zero" in six.evidence
+
+
+class MaskedRoot(nn.Module):
+    """The root's own code adds a causal mask of finfo(float16).min twice (Hugging Face style mask arithmetic:
+    -65504 - 65504 -> -inf, a sentinel, not an overflow), then fc overflows (x 100 times 1000 * I: the origin)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.fc = nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(4) * 1000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.q(x) @ self.q(x).transpose(-2, -1)
+        mask = (torch.triu(torch.ones(s.shape[-1], s.shape[-1]), 1) * torch.finfo(torch.float16).min).to(s.dtype)
+        return self.fc(torch.softmax(s + mask + mask, -1) @ x * 100)
+
+
+def test_mask_arithmetic_flagged_again_by_a_verification_rerun_does_not_block_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Verification re-runs are survey passes: they flag the mask sum again without classifying it. The
+    diagnosis's classifying re-run already found it all sentinel, so the fallback is verified; without that
+    knowledge (sentinel_ops empty) the same re-run would read as an overflow left behind."""
+    torch.manual_seed(0)
+
+    def fallback() -> ampdoctor.Recommendation:
+        report = ampdoctor.diagnose(MaskedRoot(), torch.ones(2, 3, 4), loss_fn=lambda out, _: out.float().mean() * 1e-6,
+                                    device_type="cpu")
+        assert report.findings.forward_origin is not None and report.findings.forward_origin.label == "fc"
+        assert not report.findings.hidden and [o.label for o in report.trace.op_overflows] == ["fc"]
+        return _fallback(report)
+
+    rec = fallback()
+    assert rec.modules == ("fc",) and rec.verified and "inf/NaN" not in rec.evidence
+    monkeypatch.setattr(ampdoctor.api, "sentinel_ops", lambda survey, final: frozenset())
+    rec = fallback()
+    assert not rec.verified and "(hidden or not): <root> (add)" in rec.evidence

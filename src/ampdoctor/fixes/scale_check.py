@@ -12,7 +12,7 @@ from typing import Optional
 from ..analysis import Findings
 from ..analysis.scale import gradient_headroom, margin_scale
 from ..analysis.underflow import lost_gradients
-from ..records import FormatLimits, ModuleInfo, PassTrace, Recommendation
+from ..records import FormatLimits, ModuleInfo, OpOverflow, PassTrace, Recommendation
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 
 
@@ -62,9 +62,11 @@ def verify_loss_scale(
     modules: Sequence[ModuleInfo],
     limits: Optional[FormatLimits],
     margin_bits: float,
+    made: Optional[Callable[[PassTrace], Sequence[OpOverflow]]] = None,
 ) -> Recommendation:
     """Re-run the unchanged step at the proposed scale; verified when finite (no op making inf/NaN either), under
-    1 % of gradient values lost and the margin kept."""
+    1 % of gradient values lost and the margin kept. ``made``: the ops of a trace that made inf/NaN from finite
+    inputs, known sentinels aside (default: every op the trace flagged or counted)."""
     scale = proposed_scale(findings, margin_bits)
     if scale is None:
         return rec
@@ -77,7 +79,7 @@ def verify_loss_scale(
     if share is not None:
         evidence += f", {share:.2%} of gradient values lost to zero ({against})"
         ok = share < SCALE_WINDOW_LOSS_SHARE
-    left = [o for o in at.op_overflows if o.count != 0]
+    left = made(at) if made is not None else [o for o in at.op_overflows if o.count != 0]
     if left:
         evidence += "; but an op still makes inf/NaN from finite inputs: " + ", ".join(
             dict.fromkeys(f"{o.label} ({o.op})" for o in left)

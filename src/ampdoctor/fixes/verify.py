@@ -12,7 +12,18 @@ from torch import nn
 from ..analysis import Findings, Origin, backward_origin, forward_origin
 from ..analysis.margin import PathTensor, path_headroom
 from ..analysis.mechanisms import Instance, Mechanism, mechanism_of
-from ..records import BATCH, LOSS, Cost, FormatLimits, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
+from ..records import (
+    BATCH,
+    LOSS,
+    Cost,
+    FormatLimits,
+    ModuleCall,
+    ModuleInfo,
+    OpOverflow,
+    PassTrace,
+    Recommendation,
+    TensorRecord,
+)
 from ..thresholds import MARGIN_BITS
 from .fallback import Fp32Fallback
 from .rewrites import FusedLog, ScaleFirst
@@ -50,6 +61,35 @@ class VerifyContext:
     run_unchanged: Optional[RunFn] = None
     limits: Optional[FormatLimits] = None  # the format's limits (None: no margin or mechanism check)
     margin_bits: float = MARGIN_BITS
+    # (module, call, op, occurrence) of ops the survey flagged and the diagnosis's classifying re-run found to be
+    # mask arithmetic only (sentinel_ops()): flagged again by a verification re-run, they are not overflows.
+    sentinel_ops: frozenset[tuple[str, int, str, int]] = frozenset()
+
+
+OpKey = tuple[str, int, str, int]
+
+
+def _key(o: OpOverflow) -> OpKey:
+    return (o.module, o.call, o.op, o.occurrence)
+
+
+def sentinel_ops(survey: PassTrace, classified: PassTrace) -> frozenset[OpKey]:
+    """The ops ``survey`` flagged (count unknown) that ``classified`` (the detailed re-run that counts and
+    classifies every flagged op per element) left out: all their non-finite elements were sentinels."""
+    if classified is survey or not classified.detailed:
+        return frozenset()
+    kept = {_key(o) for o in classified.op_overflows}
+    return frozenset(_key(o) for o in survey.op_overflows if o.count is None and _key(o) not in kept)
+
+
+def made(ctx: VerifyContext, trace: PassTrace) -> list[OpOverflow]:
+    """The ops of ``trace`` that made inf/NaN from finite inputs (hidden or not), known sentinels aside."""
+    return [o for o in trace.op_overflows if o.count != 0 and not (o.count is None and _key(o) in ctx.sentinel_ops)]
+
+
+def overflow_free(ctx: VerifyContext, trace: PassTrace) -> bool:
+    """``PassTrace.overflow_free`` for a survey-level re-run: known sentinel ops aside."""
+    return trace.healthy() and not made(ctx, trace)
 
 
 def _origin_of(trace: PassTrace, modules: list[ModuleInfo]) -> Optional[Origin]:
@@ -127,17 +167,22 @@ def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> tu
     return changed, followed
 
 
-def _hiding(trace: PassTrace) -> set[str]:
+def _hiding(trace: PassTrace, ignore: frozenset[OpKey] = frozenset()) -> set[str]:
     """Modules with an op that made inf/NaN from finite inputs in ``trace`` (``capture.hidden``'s records, when
-    the pass recorded them): hidden overflows count in the grouping and in the margin."""
-    return {o.module for o in getattr(trace, "op_overflows", ()) if getattr(o, "count", None) != 0}
+    the pass recorded them): hidden overflows count in the grouping and in the margin. ``ignore``: known sentinel
+    ops (flagged, uncounted)."""
+    return {
+        o.module
+        for o in getattr(trace, "op_overflows", ())
+        if getattr(o, "count", None) != 0 and not (o.count is None and _key(o) in ignore)
+    }
 
 
 def _mechanisms(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> list[Mechanism]:
     limits = ctx.limits
     if limits is None:
         return []
-    found = (mechanism_of(trace, m, limits, ctx.margin_bits, _hiding(trace)) for m in chosen)
+    found = (mechanism_of(trace, m, limits, ctx.margin_bits, _hiding(trace, ctx.sentinel_ops)) for m in chosen)
     unique = {(m.class_name, m.pattern): m for m in found if m is not None}
     return list(unique.values())
 
@@ -202,7 +247,7 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
         current, add = None, []
         if last.healthy():
             add = [i.module for i in _inside_margin(ctx, last, chosen)]
-            for module in _hidden_left(last, chosen):  # a hidden overflow left elsewhere: its mechanism joins
+            for module in _hidden_left(ctx, last, chosen):  # a hidden overflow left elsewhere: its mechanism joins
                 add += [m for m in _group(ctx, module, chosen + add) if m not in add]
             if add and len(tried) >= MAX_FALLBACK_ROUNDS:
                 break  # reported below as holding at this step, without the margin
@@ -213,10 +258,10 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
     return _finished(ctx, chosen, last, check_scale, scale_note)
 
 
-def _hidden_left(trace: PassTrace, chosen: list[str]) -> list[str]:
+def _hidden_left(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> list[str]:
     """Modules (not the loss, not the root) where an op still made inf/NaN from finite inputs in ``trace``, hidden
     or not, outside the fallback set: a remedy must cover them too."""
-    found = {o.module for o in trace.op_overflows if o.count != 0}
+    found = {o.module for o in made(ctx, trace)}
     return sorted(m for m in found if m not in (LOSS, BATCH, "") and not _within(m, chosen))
 
 
@@ -241,8 +286,8 @@ def _margin_note(ctx: VerifyContext, tight: list[PathTensor]) -> str:
     return f"; inside the {ctx.margin_bits:g}-bit margin on its path: " + ", ".join(p.describe() for p in tight[:4])
 
 
-def _hidden_note(trace: PassTrace) -> str:
-    left = [o for o in trace.op_overflows if o.count != 0]
+def _hidden_note(ctx: VerifyContext, trace: PassTrace) -> str:
+    left = made(ctx, trace)
     if not left:
         return ""
     where = ", ".join(dict.fromkeys(f"{o.label} ({o.op})" for o in left))
@@ -284,14 +329,13 @@ def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scal
             )
         if on_path:
             evidence += _margin_note(ctx, on_path)
-    hidden = _hidden_note(last)
-    evidence += hidden
+    evidence += _hidden_note(ctx, last)
     return Recommendation(
         action="fp32_fallback",
         modules=tuple(chosen),
         title=title,
         snippet=fallback_snippet(chosen, ctx.device_type, stored_low(ctx.modules, chosen)),
-        verified=not changed and not tight and not on_path and last.overflow_free(),
+        verified=not changed and not tight and not on_path and overflow_free(ctx, last),
         evidence=evidence,
         cost=fallback_cost(ctx.baseline, ctx.modules, chosen, ctx.low_dtype),
     )
@@ -352,14 +396,14 @@ def _verify_one(
         return _verify_rewrite(ctx, rec, ScaleFirst(loc.file, loc.line), check_scale)
     if kind == "bf16" and ctx.run_other_dtype is not None:
         other = ctx.run_other_dtype(1.0)
-        ok = other.overflow_free()
+        ok = overflow_free(ctx, other)
         outcome = "forward and backward finite" if ok else "still non-finite"
         if other.healthy() and not ok:
-            outcome = "finite" + _hidden_note(other)
+            outcome = "finite" + _hidden_note(ctx, other)
         return dataclasses.replace(rec, verified=ok, evidence=f"re-ran the step in bfloat16 (unscaled): {outcome}")
     if kind == "loss_scale":
         return verify_loss_scale(ctx.run_unchanged or ctx.run, findings, rec, ctx.modules, ctx.limits,
-                                 ctx.margin_bits)
+                                 ctx.margin_bits, lambda trace: made(ctx, trace))
     return rec
 
 
@@ -390,7 +434,7 @@ def _verify_rewrite(
     )
     if ok and math.isfinite(spare):
         evidence += f"; its results keep {spare:.2f} bits below the {ctx.low_dtype} max"
-    hidden = _hidden_note(last) if ok else ""
+    hidden = _hidden_note(ctx, last) if ok else ""
     evidence += hidden
     # The rewritten modules stay in low precision: their outputs, op peaks and consumers keep the margin too.
     tight = [p for p in _path(ctx, last, list(rec.modules), inside=True) if p.headroom_bits < ctx.margin_bits]
