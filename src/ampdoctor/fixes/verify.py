@@ -174,7 +174,7 @@ def _hiding(trace: PassTrace, ignore: frozenset[OpKey] = frozenset()) -> set[str
     return {
         o.module
         for o in getattr(trace, "op_overflows", ())
-        if getattr(o, "count", None) != 0 and not (o.count is None and _key(o) in ignore)
+        if getattr(o, "count", None) != 0 and not (ignore and o.count is None and _key(o) in ignore)
     }
 
 
