@@ -58,7 +58,8 @@ BAD_DIAGNOSE = [
     ("progress", "yes", "progress(purpose, index, total)"),
     ("loss_fn", 3, "loss_fn(output, batch)"),  # said "the loss raised"
     ("dtype", torch.float32, "torch.float16 or torch.bfloat16"),
-    ("dtype", "float16", "torch.float16 or torch.bfloat16"),
+    ("dtype", "float8", "torch.float16 or torch.bfloat16 (or 'float16'"),
+    ("dtype", "float32", "torch.float16 or torch.bfloat16 (or 'float16'"),
     ("backward", "yes", "True or False"),
     ("verify", None, "True or False"),
     ("fp32_reference", 1, "True or False"),
@@ -93,6 +94,19 @@ def test_the_options_record_is_frozen_and_holds_the_size_in_bytes() -> None:
     assert DiagnoseOptions(scale=1).scale == 1 and DiagnoseOptions(reference=2).reference == 2
 
 
+def test_the_dtype_may_be_named_as_people_write_it() -> None:
+    names = {"float16": torch.float16, "FP16": torch.float16, "half": torch.float16, " bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}  # fmt: skip
+    assert {name: DiagnoseOptions(dtype=name).dtype for name in names} == names
+    assert {name: WatchOptions(dtype=name).dtype for name in names} == names
+    assert WatchOptions(dtype=None).dtype is None
+    boom = nn.Linear(16, 16, bias=False)
+    nn.init.constant_(boom.weight, 5000.0)  # 16 * 5000 = 80000 > 65504: overflows in float16, not in bfloat16
+    by_name = diagnose(nn.Sequential(boom), torch.ones(2, 16), dtype="bf16", progress=False)
+    assert by_name.verdict == "healthy" and by_name.run.limits.dtype == "bfloat16"
+    assert diagnose(nn.Sequential(boom), torch.ones(2, 16), dtype="fp16", progress=False).verdict == "overflow"
+
+
 def test_a_size_in_text_limits_the_passes_like_the_same_number_of_bytes() -> None:
     def run(limit: Any) -> list[tuple[str, str]]:
         boom = nn.Linear(16, 16, bias=False)
@@ -119,7 +133,7 @@ BAD_WATCH = [
     ("max_output_grad_bytes", -5, "int >= 0"),
     ("max_output_grad_bytes", "lots", "MiB"),
     ("loss_fn", 3, "loss_fn(output, batch)"),
-    ("dtype", torch.float32, "torch.float16 or torch.bfloat16, or None"),
+    ("dtype", torch.float32, "torch.float16 or torch.bfloat16 (or 'float16', 'fp16', 'bfloat16', 'bf16'), or None"),
 ]
 
 

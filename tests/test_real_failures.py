@@ -197,20 +197,26 @@ def test_layernorm_variance_overflow_premise() -> None:
     assert int((out == 0).all(-1).sum()) == 8  # those rows lost all information
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (false HEALTHY): BertLayerNorm's own `(x - u).pow(2)` makes inf in 8 of 12 rows (CPU float16 "
-    "autocast keeps pow in float16), `/ torch.sqrt(s + eps)` turns it into exact zeros, so the module's output "
-    "is finite and wrong; the backward stays finite too (d/ds at s=inf is 0). The survey sees only module "
-    "boundaries, so diagnose reports HEALTHY (exit 0); a hidden overflow must never be HEALTHY.",
-)
-def test_layernorm_variance_overflow_is_not_healthy() -> None:
+def test_layernorm_variance_overflow_is_a_hidden_overflow_at_its_pow() -> None:
+    """BertLayerNorm's own `(x - u).pow(2)` makes inf in 8 of 12 rows (CPU float16 autocast keeps pow in float16),
+    `/ torch.sqrt(s + eps)` turns it into exact zeros: the module's output is finite and wrong, the backward finite
+    too (d/ds at s=inf is 0). No call's output is non-finite, so there is no forward origin (an origin is a call that
+    makes a non-finite output); the hidden-overflow finding names the module, the op and its line instead."""
     model, batch, kwargs = cases.layernorm_variance_overflow()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        h = model.dense(batch)
+        expected = int(torch.isinf((h - h.mean(-1, keepdim=True)).pow(2)).sum())
     report = _diagnose(model, batch, **kwargs)
-    assert report.verdict != "healthy", report.to_text()
-    origin = report.forward_origin
-    assert origin is not None and origin.module == "LayerNorm"
-    assert origin.op is not None and origin.op.op.startswith("aten::pow")
+    assert report.verdict == "hidden_overflow", report.to_text()
+    assert report.forward_origin is None
+    (hidden,) = report.findings.hidden
+    assert (hidden.module, hidden.class_name, hidden.op, hidden.function) == (
+        "LayerNorm", "BertLayerNorm", "pow", "Tensor.pow"
+    )
+    assert hidden.classified and hidden.count == expected > 0 and hidden.sentinels == 0
+    assert hidden.hidden_by == "div"
+    assert hidden.location is not None and ".pow(2)" in hidden.location.code
+    assert "LayerNorm  BertLayerNorm  pow (Tensor.pow)" in report.to_text()
 
 
 # -- pytorch/pytorch#32137: F.normalize's eps=1e-12 is 0 in float16 ------------------------------------------------
@@ -286,20 +292,17 @@ def test_bce_saturated_sigmoid_gradient_is_non_finite_at_every_scale() -> None:
     assert report.recommendations[0].action == "fix_loss"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (misleading remedy): for Sigmoid -> BCELoss the only loss remedy is 'reduce it (mean instead of "
-    "sum) or compute the loss in float32'; the loss is already a mean, CPU autocast already runs BCE in float32, "
-    "and its snippet `loss = criterion(output.float(), targets)` still sends inf into the model (the sigmoid's "
-    "float16 output is exactly 1.0; see test_bce_premise_loss_in_float32_does_not_help_and_with_logits_does). "
-    "The fix torch itself names, binary_cross_entropy_with_logits on the logits, is not offered, and nothing is "
-    "verified.",
-)
 def test_bce_remedy_is_bce_with_logits() -> None:
+    """The loss in float32 does not help (the sigmoid's float16 output is exactly 1.0 already; see
+    test_bce_premise_loss_in_float32_does_not_help_and_with_logits_does): the first remedy is the one torch names,
+    binary_cross_entropy_with_logits on the logits, verified by a re-run that computes it."""
     model, batch, kwargs = cases.sigmoid_bce()
     report = _diagnose(model, batch, **kwargs)
     texts = [(r.title + " " + r.snippet).lower() for r in report.recommendations]
     assert any("with_logits" in t or "withlogits" in t for t in texts), texts
+    first = report.recommendations[0]
+    assert first.rule == "bce_with_logits" and first.verified, report.to_text()
+    assert "BCEWithLogitsLoss()" in first.snippet and "computing the rewritten arithmetic" in first.evidence
 
 
 # -- NVIDIA/apex#379: log(softmax(x)) underflows to log(0) in float16 ---------------------------------------------
@@ -383,20 +386,34 @@ def test_pegasus_reports_fc2_within_one_bit_of_the_max(pegasus_report: ampdoctor
     assert any("within 1 bit" in w for w in report.findings.warnings)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (false HEALTHY): the PegasusEncoderLayer's own `residual + hidden_states` makes inf (64992 + ~820 "
-    "in float16) and the layer's fp16 clamp (transformers#7243) replaces it by 64504 before the layer returns, so "
-    "every module output is finite and the backward of clamp is 0 there. diagnose says HEALTHY (exit 0) with "
-    "only a near-limit warning: a hidden overflow (an op made inf from finite inputs, a later op hid it) must be "
-    "a finding, never HEALTHY, with the origin at model.encoder.layers.0 and op aten::add.",
-)
-def test_pegasus_hidden_residual_overflow_is_not_healthy(pegasus_report: ampdoctor.Report) -> None:
+def test_pegasus_hidden_overflow_in_training_is_the_dropout_rescale(pegasus_report: ampdoctor.Report) -> None:
+    """The case runs in training mode (a freshly built model): dropout(p=0.1) scales fc2's kept 64992s by 1/0.9 to
+    72213, inf in float16, before the residual add; the add only carries those infs and the layer's fp16 clamp
+    (transformers#7243) hides them. Not HEALTHY: its own verdict, the finding names the layer, dropout and its
+    line. No call's output is non-finite, so there is no forward origin."""
     report = pegasus_report
-    assert report.verdict == "overflow", report.to_text()
-    origin = report.forward_origin
-    assert origin is not None and origin.module == "model.encoder.layers.0"
-    assert origin.op is not None and origin.op.op.startswith("aten::add")
+    assert report.verdict == "hidden_overflow", report.to_text()
+    assert report.forward_origin is None
+    (hidden,) = report.findings.hidden
+    assert (hidden.module, hidden.class_name, hidden.op) == ("model.encoder.layers.0", "PegasusEncoderLayer", "dropout")
+    assert hidden.hidden_by == "clamp" and hidden.classified and hidden.count is not None and hidden.count > 0
+    assert hidden.location is not None and "dropout(hidden_states" in hidden.location.code
+
+
+def test_pegasus_hidden_residual_overflow_in_eval_is_the_add(pegasus: Any) -> None:
+    """Without dropout (eval), the layer's own `residual + hidden_states` makes the inf (64992 + ~820), and the clamp
+    hides it: a hidden overflow at model.encoder.layers.0, op add, on the residual line; never HEALTHY."""
+    model, batch, kwargs = pegasus
+    model.eval()
+    try:
+        report = _diagnose(model, batch, **kwargs)
+    finally:
+        model.train()
+    assert report.verdict == "hidden_overflow", report.to_text()
+    adds = [h for h in report.findings.hidden if h.module == "model.encoder.layers.0"]
+    assert [(h.op, h.hidden_by) for h in adds] == [("add", "clamp")], report.to_text()
+    assert adds[0].location is not None and "residual + hidden_states" in adds[0].location.code
+    assert adds[0].count is not None and adds[0].count > 0
 
 
 # -- huggingface/transformers#9295, #4287, #5651: T5 (v1.1, gated-gelu) in float16, `wo` overflows -----------------
@@ -518,33 +535,39 @@ def test_additive_mask_minus_1e9_with_an_empty_sequence_names_the_mask_line() ->
     assert any(r.action == "bf16" and r.verified for r in report.recommendations)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (missing remedy): the op zoom names aten::mul.Tensor with scalar_args (-1e9,) on the line "
-    "`(1.0 - mask...) * -1e9`, but the mask-constant rule (fixes/recommend.py _mask_constant) only looks at FILL_OPS "
-    "(masked_fill, fill, full, where, new_full, scalar_tensor), so the README's 'a mask constant that fits float16 "
-    "(torch.finfo(dtype).min instead of -1e9)' is not offered for the additive-mask form of the same mistake; "
-    "only bfloat16 is.",
-)
 def test_additive_mask_minus_1e9_offers_the_finfo_min_constant() -> None:
+    """The op zoom names aten::mul.Tensor with scalar_args (-1e9,) on the line `(1.0 - mask...) * -1e9`: the
+    mask-constant remedy covers this additive form too, verified by re-running the line with finfo.min."""
     model, batch, kwargs = cases.additive_mask_minus_1e9(empty_sequence=True)
     report = _diagnose(model, batch, **kwargs)
     assert any(r.action == "mask_constant" for r in report.recommendations), report.to_text()
+    first = report.recommendations[0]
+    assert first.rule == "scaled_mask_constant" and first.verified, report.to_text()
+    assert "-1e+09" in first.title and "(1.0 - mask) * torch.finfo(scores.dtype).min" in first.snippet
+    # The rewritten line, run for real: the empty row is a finite uniform softmax.
+    attn = model.attn
+    x, mask = batch
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        q, k, v = attn.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) / 4.0
+        extended = (1.0 - mask[:, None, :].to(scores.dtype)) * torch.finfo(scores.dtype).min
+        assert torch.isfinite(model.head(attn.out((scores + extended).softmax(dim=-1) @ v))).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (false HEALTHY, low severity): with every row keeping a key, `(1 - mask) * -1e9` still makes -inf "
-    "from finite values inside AdditiveMaskAttention and the softmax hides it; the README says a finite fill "
-    "constant too large for float16 is an overflow (not an intentional -inf), but the survey sees finite module "
-    "outputs and says HEALTHY. Harmless for this batch, NaN as soon as one sequence is empty (test above).",
-)
 def test_additive_mask_minus_1e9_is_not_healthy_even_when_no_row_is_empty() -> None:
+    """With every row keeping a key, `(1 - mask) * -1e9` still makes -inf from finite values (the scalar -1e9 is a
+    constant float16 cannot hold: not a sentinel) and the softmax hides it: a hidden overflow at the mul's line."""
     model, batch, kwargs = cases.additive_mask_minus_1e9(empty_sequence=False)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         assert torch.isfinite(model(*batch)).all()
     report = _diagnose(model, batch, **kwargs)
-    assert report.verdict != "healthy", report.to_text()
+    assert report.verdict == "hidden_overflow", report.to_text()
+    (hidden,) = report.findings.hidden
+    assert (hidden.module, hidden.class_name, hidden.op, hidden.hidden_by) == (
+        "attn", "AdditiveMaskAttention", "mul", "softmax"
+    )
+    assert hidden.count == 2 and hidden.sentinels == 0  # sample 1's two padded keys, in its one mask row
+    assert hidden.location is not None and "* -1e9" in hidden.location.code
 
 
 # -- fastino-ai/GLiNER2#155: clamp(max=1 - 1e-6) is a no-op in float16; only the backward breaks ------------------

@@ -43,9 +43,10 @@ from .capture.session import Session, progress_callback
 from .capture.sharded import full_model
 from .capture.state import StateGuard
 from .capture.stats import format_limits
+from .fixes.overflows import sentinel_ops
 from .fixes.recommend import recommend
 from .fixes.steps import parameter_bytes, train_steps, with_steps
-from .fixes.verify import VerifyContext, remedy_for, sentinel_ops, verify_recommendations
+from .fixes.verify import VerifyContext, remedy_for, verify_recommendations
 from .records import BATCH, LOSS, ModuleInfo, PassTrace, Recommendation, RunInfo
 from .report import Report
 from .thresholds import MARGIN_BITS, UNDERFLOW_VERDICT_SHARE
@@ -80,7 +81,7 @@ def diagnose(
         batch: a Tensor (``model(batch)``), a tuple/list (``model(*batch)``) or a dict (``model(**batch)``).
         loss_fn: ``loss_fn(output, batch) -> scalar``. Without it: a scalar output, ``output.loss``, or a
             surrogate (the mean of the floating outputs), which the report names.
-        dtype: ``torch.float16`` or ``torch.bfloat16``.
+        dtype: ``torch.float16`` or ``torch.bfloat16`` (or a name: ``"fp16"``, ``"float16"``, ``"bf16"``, ...).
         device_type: autocast device type; default: the parameters' device.
         scaler: a ``GradScaler`` (``torch.amp`` or the deprecated ``torch.cuda.amp``); only ``get_scale()`` is
             read. Without it, float16 uses GradScaler's default 2**16 and bfloat16 is unscaled.

@@ -260,8 +260,12 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
                     if e.path == r.producer_path
                 ]
     roots = [c for c in trace.calls if c.parent is None]
+    # A returned tensor that the model also used inside (an intermediate, a KV cache) gets gradient from inside:
+    # its root-output gradient is not "the gradient of the loss reaching the model".
+    consumed = {r.ref for c in trace.calls for r in c.inputs if r.ref >= 0}
     for root in roots:
-        bad = [e for e in out_events.get(root.index, []) if _bad(e.stats)]
+        used_inside = {r.path for r in root.outputs if r.ref in consumed}
+        bad = [e for e in out_events.get(root.index, []) if _bad(e.stats) and e.path not in used_inside]
         if bad:  # the very first gradient reaching the model is already non-finite
             return Origin(
                 "backward", LOSS, 0, "loss", bad[0].path, bad[0].stats, None, trace.backward_op_finding,

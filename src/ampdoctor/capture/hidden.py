@@ -17,7 +17,10 @@ user's source line, for those ops only.
 
 Sentinels are not overflows: fills and selections (``masked_fill(-inf)``, ``where(mask, x, -inf)``, a
 ``finfo.min`` fill) never make a value; elementwise arithmetic whose operand is already at or beyond the format's
-max at an element (an additive ``finfo.min`` mask overflowing to ``-inf``) is mask arithmetic at that element.
+max at an element (an additive ``finfo.min`` mask overflowing to ``-inf``) is mask arithmetic at that element. A
+finite constant the format cannot hold is no sentinel: ``(1 - mask) * -1e9``, ``where(mask, x, -1e9)`` and
+``x[mask] = -1e9`` in float16 make ``-inf`` from finite values. What the watch knows about each op (names,
+categories, those constants) is in :mod:`.hidden_ops`.
 """
 
 from __future__ import annotations
@@ -33,120 +36,40 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..records import LOSS, OpOverflow
-from .stats import INTERNAL, measuring
+from .hidden_ops import (
+    ARITH,
+    CAST,
+    DTYPE_NAMES,
+    FILL_SELECTS,
+    INPUT,
+    LOW_DTYPES,
+    LOW_NAMES,
+    MAKE,
+    MASK_FILLS,
+    SELECT,
+    SHAPE_ONLY_OPS,
+    SKIP,
+    VIEW,
+    counted_op,
+    makes_with_scalar,
+    op_info,
+    oversized_fill,
+    resolved,
+)
+from .stats import INTERNAL, format_limits, measuring
 from .zoom import innermost_user_line
 
-LOW_DTYPES = (torch.float16, torch.bfloat16)
-_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_LOW_NAMES = frozenset(_NAMES.values())
+__all__ = ["MAX_CONSUMERS", "HiddenWatch", "Paused", "counted_op", "op_info", "targets_of", "watching"]
 
-# What an op does with its inputs' values.
-SKIP = 0  # allocates memory it does not write (``empty``): nothing to follow
-VIEW = 1  # rearranges or aliases one input's values (or casts them up): its output is that input's, not measured
-SELECT = 2  # picks or fills values (``where``, ``masked_fill``, ``cat``, ``clamp``): measured, never makes a value
-MAKE = 3  # computes new values: measured; makes a value when its output is non-finite and its inputs were finite
-ARITH = 4  # elementwise arithmetic (add, sub, mul, div): MAKE, and classified per element (mask arithmetic)
-CAST = 5  # a dtype conversion: MAKE when it lowers a wider format to the low one (70000.0 -> inf), else VIEW
-INPUT = 6  # a tensor the watch did not see made (the batch, a buffer, a mask built outside): measured once
-
-_VIEW_OPS = frozenset(
-    {
-        "view", "view_as", "reshape", "reshape_as", "transpose", "t", "permute", "contiguous", "clone", "detach",
-        "expand", "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "getitem", "narrow", "split",
-        "split_with_sizes", "tensor_split", "chunk", "unbind", "movedim", "moveaxis", "swapaxes", "swapdims",
-        "select", "as_strided", "repeat", "repeat_interleave", "tile", "roll", "flip", "unfold", "diagonal",
-        "T", "mT", "H", "mH", "data", "real", "imag", "_base", "grad", "requires_grad", "broadcast_to",
-        "broadcast_tensors", "atleast_1d", "atleast_2d", "atleast_3d", "view_as_real", "view_as_complex",
-        "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "take_along_dim", "identity",
-    }
-)
-# Not views: dropout scales what it keeps by 1/(1-p) in training (64992 / 0.9 -> inf in float16), so it is MAKE.
-_SELECT_OPS = frozenset(
-    {
-        "masked_fill", "where", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
-        "index_select", "gather", "scatter", "scatter_add", "index_put", "index_fill", "index_copy", "index_add",
-        "masked_select", "masked_scatter", "fill", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like",
-        "new_full", "new_zeros", "new_ones", "new_tensor", "tensor", "as_tensor", "triu", "tril", "pad", "setitem",
-        "copy", "zero", "clamp", "clip", "clamp_min", "clamp_max", "nan_to_num", "maximum", "minimum", "fmax",
-        "fmin", "max", "min", "amax", "amin", "relu", "relu6", "hardtanh", "threshold", "abs", "neg", "sign",
-        "sort", "topk", "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin", "max_pool1d",
-        "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
-        "embedding", "one_hot", "arange", "linspace", "eye", "rand", "randn", "rand_like", "randn_like",
-        "randint", "randint_like", "normal", "uniform", "bernoulli", "zero_", "diag_embed", "block_diag",
-    }
-)
-# Ops that read only the shape, dtype or device of their tensor arguments (``zeros_like(x)``): not consumers.
-_SHAPE_ONLY_OPS = frozenset(
-    {
-        "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "new_full", "new_zeros",
-        "new_ones", "new_tensor", "full", "zeros", "ones", "arange",
-    }
-)
-_ARITH_OPS = frozenset({"add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "rsub"})
-_CAST_OPS = frozenset({"to", "half", "bfloat16", "float", "double", "type", "type_as"})
-_ALLOCATION_OPS = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"})
-# Python operators as the ops they run.
-_DUNDERS = {
-    "__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "rsub",
-    "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
-    "__rtruediv__": "div", "__itruediv__": "div_", "__div__": "div", "__rdiv__": "div", "__idiv__": "div_",
-    "__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow", "__ipow__": "pow_",
-    "__neg__": "neg", "__abs__": "abs", "__getitem__": "getitem", "__setitem__": "setitem",
-    "__floordiv__": "floor_divide", "__rfloordiv__": "floor_divide", "__mod__": "remainder",
-    "__rmod__": "remainder",
-}
 # How many consumers of one op's values are followed when looking for what hid them.
 MAX_CONSUMERS = 4
-
-# func -> (op name, what the code called, category, in place); learned once per function, per process.
-_INFO: dict[Any, tuple[str, str, int, bool]] = {}
-
-
-def op_info(func: Any) -> tuple[str, str, int, bool]:
-    """(op name, the function as the code called it, category, in place) of a function the mode sees."""
-    found = _INFO.get(func)
-    if found is not None:
-        return found
-    raw = getattr(func, "__name__", None) or str(func)
-    if raw == "__get__":  # an attribute: ``x.T``, ``x.data``
-        name = getattr(getattr(func, "__self__", None), "__name__", "attribute")
-    else:
-        name = _DUNDERS.get(raw, raw)
-    inplace = name.endswith("_") and not name.startswith("_")
-    base = name[:-1] if inplace else name
-    if base in _ALLOCATION_OPS:
-        category = SKIP
-    elif base in _VIEW_OPS or raw == "__get__":
-        category = VIEW
-    elif base in _CAST_OPS:
-        category = CAST
-    elif base in _SELECT_OPS:
-        category = SELECT
-    elif base in _ARITH_OPS:
-        category = ARITH
-    else:
-        category = MAKE
-    module = getattr(func, "__module__", None) or ""
-    qualname = getattr(func, "__qualname__", None) or raw
-    if qualname.startswith(("TensorBase.", "Tensor.", "_TensorBase.")) or raw == "__get__":
-        called = f"Tensor.{raw if raw != '__get__' else name}"
-    elif module in ("torch.nn.functional", "torch._C._nn"):
-        called = f"F.{raw}"
-    elif module.startswith("torch") or not module:
-        called = f"torch.{raw}"
-    else:
-        called = f"{module}.{raw}"
-    info = (base, called, category, inplace)
-    if len(_INFO) < 4096:
-        _INFO[func] = info
-    return info
 
 
 class _Node:
     """One op (or one unknown input) as the watch saw it: plain values, no tensor."""
 
     __slots__ = ("call", "name", "called", "occurrence", "category", "inputs", "consumers", "first", "outputs",
-                 "dtype", "numel", "counts", "location")
+                 "dtype", "numel", "counts", "location", "masks", "unmasked")
 
     def __init__(self, call: Optional[int], name: str, called: str, occurrence: int, category: int,
                  inputs: tuple[int, ...]) -> None:
@@ -163,6 +86,8 @@ class _Node:
         self.numel = 0
         self.counts = -1  # targets: index of (finite count, made count) in HiddenWatch.values
         self.location: Any = None
+        self.masks: tuple[int, ...] = ()  # arithmetic: inputs that may be intentional masks (fills, unseen inputs)
+        self.unmasked = -1  # arithmetic with masks: index of the (min, max) of its output where they are finite
 
 
 class Paused:
@@ -239,13 +164,15 @@ class HiddenWatch(TorchFunctionMode):
                 self._remember(t, ())
             return
         sources: list[int] = []
-        if name not in _SHAPE_ONLY_OPS:
+        if name not in SHAPE_ONLY_OPS:
             for a in args:
                 self._collect(a, sources)
             for a in kwargs.values():
                 self._collect(a, sources)
         inputs = tuple(dict.fromkeys(sources))
-        category = _resolved(category, tensors, args)
+        category = resolved(category, tensors, args)
+        if category == SELECT and name in FILL_SELECTS and oversized_fill(tensors[0].dtype, args, kwargs):
+            category = MAKE  # ``where(mask, x, -1e9)`` in float16: the constant is the overflow, not a sentinel
         if category == VIEW:
             for t in tensors:
                 self._remember(t, inputs)
@@ -265,14 +192,19 @@ class HiddenWatch(TorchFunctionMode):
         low = [t for t in tensors if t.dtype in LOW_DTYPES and t.numel()]
         if low:
             self._measure(node, low)
+            if category == ARITH:
+                self._measure_unmasked(node, low[0], args, inplace)
             if self.targets and category != SELECT and self._key(node) in self.targets:
                 self._classify(node, low[0], args, kwargs, inplace)
-        elif tensors[0].numel() and any(self.nodes[i].dtype in _LOW_NAMES for i in inputs):
+        elif tensors[0].numel() and any(self.nodes[i].dtype in LOW_NAMES for i in inputs):
             # A wider result of low-precision values (softmax under CUDA autocast): measured too, so that what
             # hid a value is known; it never counts as making one (that is float32's business).
             self._measure(node, tensors[:1])
         for t in tensors:
             self._remember(t, (node_id,))
+            if (inplace or name == "setitem") and t._base is not None:
+                # Written through a view (``h[:, :4].mul_(s)``): the base holds these values now too.
+                self._remember(t._base, tuple(dict.fromkeys((*self._source(t._base), node_id))))
 
     def _collect(self, a: Any, into: list[int]) -> None:
         if isinstance(a, torch.Tensor):
@@ -299,11 +231,35 @@ class HiddenWatch(TorchFunctionMode):
     def _measure(self, node: _Node, tensors: list[torch.Tensor]) -> None:
         node.first = self._count
         node.outputs = len(tensors)
-        node.dtype = _NAMES.get(tensors[0].dtype) or str(tensors[0].dtype).replace("torch.", "")
+        node.dtype = DTYPE_NAMES.get(tensors[0].dtype) or str(tensors[0].dtype).replace("torch.", "")
         node.numel = tensors[0].numel()
         for t in tensors:
             self.values.append(torch.aminmax(t.detach()))  # one fused reduction; inf, -inf and NaN show in it
             self._count += 2
+
+    def _measure_unmasked(self, node: _Node, out: torch.Tensor, args: Any, inplace: bool) -> None:
+        """Arithmetic with an operand that may be an intentional mask (``scores + mask``, the mask a fill or an
+        input the watch did not see made): one more fused reduction, of the output where those operands are
+        finite, so that a ``-inf`` the op made beside the mask's own is not taken for the mask passed on."""
+        keep: Optional[torch.Tensor] = None
+        masks: list[int] = []
+        for i, a in enumerate(args[:2]):
+            if (inplace and i == 0) or not isinstance(a, torch.Tensor) or a.dtype not in LOW_DTYPES:
+                continue
+            found = self._where.get(id(a))
+            if found is None or found[0]() is not a or not found[1]:
+                continue
+            if not all(self.nodes[s].category == INPUT or self.nodes[s].name in MASK_FILLS for s in found[1]):
+                continue
+            masks.extend(found[1])
+            finite = torch.isfinite(a.detach())
+            keep = finite if keep is None else keep & finite
+        if keep is None:
+            return
+        node.masks = tuple(masks)
+        node.unmasked = self._count
+        self.values.append(torch.aminmax(torch.where(keep, out.detach(), 0)))
+        self._count += 2
 
     def _remember(self, t: torch.Tensor, nodes: tuple[int, ...]) -> None:
         try:
@@ -327,16 +283,21 @@ class HiddenWatch(TorchFunctionMode):
         self.values.append(torch.count_nonzero(finite))
         if node.category == ARITH:
             made = finite.logical_not_()  # reuses the mask: one temporary of o's size in bytes
-            limit = torch.finfo(o.dtype).max
-            operands = list(args[:2]) + [v for k, v in kwargs.items() if k == "other"]
+            limits = format_limits(o.dtype)
+            operands = list(args[:2]) + [v for k, v in kwargs.items() if k in ("other", "alpha")]
             for i, a in enumerate(operands):
                 if inplace and i == 0:
                     continue  # ``x += y``: x's old values are gone (it is the output)
                 if isinstance(a, torch.Tensor):
+                    if a.dtype == torch.bool or a.is_complex():
+                        continue  # 0 or 1: never at the max
                     a = a.detach()
                     made &= torch.isfinite(a)
-                    made &= a.abs() < limit
-                elif isinstance(a, (int, float)) and not (math.isfinite(a) and abs(a) < limit):
+                    # At the max *in the output's format*: a wider operand beyond its range (a float32 -1e9, a
+                    # float32 finfo.min) rounds to inf there, a constant float16 cannot hold: not a sentinel.
+                    low = a if a.dtype == o.dtype else a.to(o.dtype)
+                    made &= (low.abs() < limits.max) | torch.isinf(low)
+                elif isinstance(a, (int, float)) and not makes_with_scalar(a, limits):
                     made.zero_()
             self.values.append(torch.count_nonzero(made))
         else:  # every non-finite element was made (the op's inputs were finite)
@@ -379,10 +340,14 @@ class HiddenWatch(TorchFunctionMode):
                 bad[i] = any(bad[s] for s in n.inputs)
         found = []
         for i, n in enumerate(nodes):
-            if not bad[i] or n.first < 0 or n.category not in (MAKE, ARITH, CAST) or n.dtype not in _LOW_NAMES:
+            if not bad[i] or n.first < 0 or n.category not in (MAKE, ARITH, CAST) or n.dtype not in LOW_NAMES:
                 continue
-            if any(bad[s] for s in n.inputs):
-                continue  # passed a non-finite value on
+            if any(bad[s] for s in n.inputs) and (
+                n.unmasked < 0
+                or any(bad[s] for s in n.inputs if s not in n.masks)
+                or all(math.isfinite(v) for v in values[n.unmasked : n.unmasked + 2])
+            ):
+                continue  # passed a non-finite value on (a mask's -inf and nothing beside it)
             count: Optional[int] = None
             sentinels = 0
             if n.counts >= 0:
@@ -430,33 +395,6 @@ class HiddenWatch(TorchFunctionMode):
                 continue
             return n.name if n.first >= 0 else f"{n.name} (result not measured)"
         return ""
-
-
-def _resolved(category: int, tensors: list[torch.Tensor], args: Any) -> int:
-    """A cast makes values when it lowers a wider format to the low one (70000.0 -> inf); else it passes on."""
-    if category != CAST:
-        return category
-    return MAKE if tensors[0].dtype in LOW_DTYPES and _wider_input(args) else VIEW
-
-
-def counted_op(func: Any, args: Any, out: Any) -> Optional[str]:
-    """The op name under which the watch numbers this call (``OpOverflow.occurrence`` counts, per innermost
-    module call, the calls this returns the same name for), or None when it does not number it: no floating
-    output, memory allocation, views, reshapes, copies and casts up. For code that must find the same op again
-    (an op-level float32 upcast of the k-th ``matmul`` of a module call)."""
-    name, _, category, _ = op_info(func)
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not tensors or category == SKIP or _resolved(category, tensors, args) == VIEW:
-        return None
-    return name
-
-
-def _wider_input(args: Any) -> bool:
-    """A floating tensor argument wider than the low formats (``x.half()`` of a float32 x lowers it)."""
-    return any(
-        isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype not in LOW_DTYPES for a in args[:1]
-    )
 
 
 def targets_of(overflows: Sequence[OpOverflow]) -> frozenset[tuple[str, int, str, int]]:

@@ -81,10 +81,21 @@ def check_size(keyword: str, value: Any) -> int:
     return int(value)
 
 
+# The names people write for the two formats (the CLI's --dtype names included), read case-insensitively.
+LOW_DTYPE_NAMES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+}  # fmt: skip
+
+
 def check_low_dtype(keyword: str, value: Any, optional: bool = False) -> Optional[torch.dtype]:
+    """``torch.float16`` / ``torch.bfloat16`` (or one of ``LOW_DTYPE_NAMES``: ``"fp16"``, ``"bf16"``, ...)."""
+    if isinstance(value, str) and value.strip().lower() in LOW_DTYPE_NAMES:
+        return LOW_DTYPE_NAMES[value.strip().lower()]
     allowed = (torch.float16, torch.bfloat16) + ((None,) if optional else ())
     if not any(value is a for a in allowed):  # identity: dtypes are singletons, and any object may define ==
-        raise refuse(keyword, value, "torch.float16 or torch.bfloat16" + (", or None" if optional else ""))
+        expected = "torch.float16 or torch.bfloat16 (or 'float16', 'fp16', 'bfloat16', 'bf16')"
+        raise refuse(keyword, value, expected + (", or None" if optional else ""))
     return value  # type: ignore[no-any-return]
 
 
@@ -130,7 +141,7 @@ class DiagnoseOptions:
         if not (isinstance(margin, numbers.Real) and not isinstance(margin, bool) and 0 <= margin <= 8):
             raise refuse("margin_bits", margin, "a number of bits from 0 to 8 (1 means 2x below the format's max)")
         check_callable("loss_fn", self.loss_fn, "a function loss_fn(output, batch) -> scalar tensor, or None")
-        check_low_dtype("dtype", self.dtype)
+        object.__setattr__(self, "dtype", check_low_dtype("dtype", self.dtype))  # "fp16" -> torch.float16
         if self.device_type is not None and not (isinstance(self.device_type, str) and self.device_type):
             raise refuse("device_type", self.device_type, 'a device type such as "cuda" or "cpu", or None')
         if self.scaler is not None and not callable(getattr(self.scaler, "get_scale", None)):

@@ -19,6 +19,7 @@ from ..analysis import Findings, NearLimit, Origin
 from ..analysis.scale import margin_scale
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
 from ..thresholds import MARGIN_BITS
+from . import rules_rewrites as rw
 from .snippets import fallback_snippet, scale_literal, stored_low
 
 Situation = Literal["batch", "loss", "weights", "forward", "scale", "backward", "no_window", "other"]
@@ -97,6 +98,8 @@ class Rule:
     cost: str
     applies: Callable[[Context], bool] = _always
     rewrite: str = ""  # for verify "rewrite": which rewrite fixes.rewrites runs ("sigmoid", "softmax", "scale_first")
+    # A proposal made on a hint (a Sigmoid module somewhere): dropped when its re-run never met the pattern.
+    drop_unmet: bool = False
 
     def __call__(self, ctx: Context) -> Optional[Recommendation]:
         if not self.applies(ctx):
@@ -415,11 +418,19 @@ RULES: tuple[Rule, ...] = (
     Rule("fix_batch", "batch", _fix_batch, "none", "none: the data is wrong"),
     Rule("loss_logsigmoid", "loss", _fused_log("sigmoid"), "rewrite", _CODE_COST, _log_of("sigmoid"), "sigmoid"),
     Rule("loss_log_softmax", "loss", _fused_log("softmax"), "rewrite", _CODE_COST, _log_of("softmax"), "softmax"),
+    Rule("loss_fp32", "loss", rw.loss_outside_autocast, "rewrite", rw.LOSS_COST, rw.loss_in_low_precision, "loss_fp32"),
     Rule("fix_loss", "loss", _fix_loss_forward, "none", _CODE_COST),
     Rule("fix_weights", "weights", _fix_weights, "none", "a restore from an earlier checkpoint"),
     Rule("logsigmoid", "forward", _fused_log("sigmoid"), "rewrite", _CODE_COST, _log_of("sigmoid"), "sigmoid"),
     Rule("log_softmax", "forward", _fused_log("softmax"), "rewrite", _CODE_COST, _log_of("softmax"), "softmax"),
     Rule("scale_first", "forward", _scale_first, "rewrite", _CODE_COST, _scores_line, "scale_first"),
+    Rule("subtract_max", "forward", rw.subtract_max, "rewrite", rw.SUBTRACT_MAX_COST, rw.exp_applies, "subtract_max"),
+    Rule("squares_fp32", "forward", rw.accumulate_in_float32, "rewrite", rw.SQUARES_COST, rw.squares_applies,
+         "squares_fp32"),
+    Rule("finfo_eps", "forward", rw.eps_from_finfo, "rewrite", rw.EPS_COST,
+         lambda ctx: rw.tiny_literal(ctx) is not None, "finfo_eps"),
+    Rule("scaled_mask_constant", "forward", rw.scaled_mask_constant, "rewrite", rw.MASK_COST,
+         lambda ctx: rw.scaled_mask_value(ctx) is not None, "mask_constant"),
     Rule("mask_constant", "forward", _mask_constant, "none", _CODE_COST,
          applies=lambda ctx: _mask_value(ctx) is not None),
     Rule("forward_fallback", "forward", _forward_fallback, "fallback", _FALLBACK_COST),
@@ -429,12 +440,23 @@ RULES: tuple[Rule, ...] = (
     Rule("safe_scale", "scale", _safe_scale, "loss_scale", _SCALE_COST),
     Rule("scale_fallback", "scale", _scale_fallback, "fallback", _FALLBACK_COST, applies=_harmful_scale),
     Rule("scale_bf16", "scale", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16 and _harmful_scale(ctx)),
+    Rule("bce_with_logits", "backward", rw.bce_with_logits, "rewrite", rw.BCE_COST, rw.bce_applies, "bce_logits",
+         drop_unmet=True),
     Rule("loss_gradient", "backward", _fix_loss_backward, "none", _CODE_COST,
          applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module == LOSS),
     Rule("backward_fallback", "backward", _backward_fallback, "fallback", _FALLBACK_COST,
          applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module != LOSS),
     Rule("backward_bf16", "backward", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16),
     Rule("no_window_bf16", "no_window", _bf16_no_window, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16),
+    # The same rewrites for a hidden overflow (no forward origin: an op made inf that a later op hid).
+    Rule("hidden_subtract_max", "other", rw.subtract_max, "rewrite", rw.SUBTRACT_MAX_COST, rw.exp_applies,
+         "subtract_max"),
+    Rule("hidden_squares_fp32", "other", rw.accumulate_in_float32, "rewrite", rw.SQUARES_COST, rw.squares_applies,
+         "squares_fp32"),
+    Rule("hidden_finfo_eps", "other", rw.eps_from_finfo, "rewrite", rw.EPS_COST,
+         lambda ctx: rw.tiny_literal(ctx) is not None, "finfo_eps"),
+    Rule("hidden_mask_constant", "other", rw.scaled_mask_constant, "rewrite", rw.MASK_COST,
+         lambda ctx: rw.scaled_mask_value(ctx) is not None, "mask_constant"),
     Rule("raise_scale", "other", _raise_scale, "loss_scale", _SCALE_COST, applies=_underflows),
     Rule("underflow_bf16", "other", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16 and _underflows(ctx)),
     Rule("into_window", "other", _into_window, "loss_scale", _SCALE_COST, applies=_outside_window),

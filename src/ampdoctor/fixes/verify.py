@@ -19,17 +19,20 @@ from ..records import (
     FormatLimits,
     ModuleCall,
     ModuleInfo,
-    OpOverflow,
     PassTrace,
     Recommendation,
     TensorRecord,
 )
 from ..thresholds import MARGIN_BITS
 from .fallback import Fp32Fallback
+from .overflows import OpKey, describe, made, overflow_free
+from .overflows import hiding as _hiding
 from .rewrites import FusedLog, ScaleFirst
+from .rewrites_lines import LineRewrite, line_rewrite
 from .rules import rule_of
+from .rules_rewrites import Site, site_of
 from .scale_check import verify_loss_scale
-from .snippets import fallback_snippet, stored_low
+from .snippets import fallback_snippet, scale_literal, stored_low
 
 # How many re-runs the loop makes before it gives up (each round adds an origin's mechanism, or the instances
 # still inside the margin).
@@ -43,6 +46,7 @@ _EXTRA_BYTES = {"float16": 2, "bfloat16": 2}
 _MATMUL_CLASSES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
 RunFn = Callable[[float], PassTrace]
+_UNMET = "the pattern was not met"
 _CODE_FIXES = frozenset({"rewrite", "mask_constant", "fix_code", "fix_batch", "fix_loss", "fix_weights"})
 
 
@@ -63,33 +67,7 @@ class VerifyContext:
     margin_bits: float = MARGIN_BITS
     # (module, call, op, occurrence) of ops the survey flagged and the diagnosis's classifying re-run found to be
     # mask arithmetic only (sentinel_ops()): flagged again by a verification re-run, they are not overflows.
-    sentinel_ops: frozenset[tuple[str, int, str, int]] = frozenset()
-
-
-OpKey = tuple[str, int, str, int]
-
-
-def _key(o: OpOverflow) -> OpKey:
-    return (o.module, o.call, o.op, o.occurrence)
-
-
-def sentinel_ops(survey: PassTrace, classified: PassTrace) -> frozenset[OpKey]:
-    """The ops ``survey`` flagged (count unknown) that ``classified`` (the detailed re-run that counts and
-    classifies every flagged op per element) left out: all their non-finite elements were sentinels."""
-    if classified is survey or not classified.detailed:
-        return frozenset()
-    kept = {_key(o) for o in classified.op_overflows}
-    return frozenset(_key(o) for o in survey.op_overflows if o.count is None and _key(o) not in kept)
-
-
-def made(ctx: VerifyContext, trace: PassTrace) -> list[OpOverflow]:
-    """The ops of ``trace`` that made inf/NaN from finite inputs (hidden or not), known sentinels aside."""
-    return [o for o in trace.op_overflows if o.count != 0 and not (o.count is None and _key(o) in ctx.sentinel_ops)]
-
-
-def overflow_free(ctx: VerifyContext, trace: PassTrace) -> bool:
-    """``PassTrace.overflow_free`` for a survey-level re-run: known sentinel ops aside."""
-    return trace.healthy() and not made(ctx, trace)
+    sentinel_ops: frozenset[OpKey] = frozenset()
 
 
 def _origin_of(trace: PassTrace, modules: list[ModuleInfo]) -> Optional[Origin]:
@@ -165,17 +143,6 @@ def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> tu
             continue
         (followed if dtypes(was.inputs) != dtypes(c.inputs) else changed).append(c.label)
     return changed, followed
-
-
-def _hiding(trace: PassTrace, ignore: frozenset[OpKey] = frozenset()) -> set[str]:
-    """Modules with an op that made inf/NaN from finite inputs in ``trace`` (``capture.hidden``'s records, when
-    the pass recorded them): hidden overflows count in the grouping and in the margin. ``ignore``: known sentinel
-    ops (flagged, uncounted)."""
-    return {
-        o.module
-        for o in getattr(trace, "op_overflows", ())
-        if getattr(o, "count", None) != 0 and not (ignore and o.count is None and _key(o) in ignore)
-    }
 
 
 def _mechanisms(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> list[Mechanism]:
@@ -261,7 +228,7 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
 def _hidden_left(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> list[str]:
     """Modules (not the loss, not the root) where an op still made inf/NaN from finite inputs in ``trace``, hidden
     or not, outside the fallback set: a remedy must cover them too."""
-    found = {o.module for o in made(ctx, trace)}
+    found = {o.module for o in made(trace, ctx.sentinel_ops)}
     return sorted(m for m in found if m not in (LOSS, BATCH, "") and not _within(m, chosen))
 
 
@@ -287,11 +254,7 @@ def _margin_note(ctx: VerifyContext, tight: list[PathTensor]) -> str:
 
 
 def _hidden_note(ctx: VerifyContext, trace: PassTrace) -> str:
-    left = made(ctx, trace)
-    if not left:
-        return ""
-    where = ", ".join(dict.fromkeys(f"{o.label} ({o.op})" for o in left))
-    return f"; but an op still makes inf/NaN from finite inputs (hidden or not): {where}"
+    return describe(made(trace, ctx.sentinel_ops))
 
 
 def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scale: float, scale_note: str
@@ -335,7 +298,7 @@ def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scal
         modules=tuple(chosen),
         title=title,
         snippet=fallback_snippet(chosen, ctx.device_type, stored_low(ctx.modules, chosen)),
-        verified=not changed and not tight and not on_path and overflow_free(ctx, last),
+        verified=not changed and not tight and not on_path and overflow_free(last, ctx.sentinel_ops),
         evidence=evidence,
         cost=fallback_cost(ctx.baseline, ctx.modules, chosen, ctx.low_dtype),
     )
@@ -366,7 +329,11 @@ def verify_recommendations(
     out: list[Recommendation] = []
     for rec in recs:
         try:
-            out.append(dataclasses.replace(_verify_one(ctx, findings, rec, origin, check_scale), rule=rec.rule))
+            result = _verify_one(ctx, findings, rec, origin, check_scale)
+            rule = rule_of(rec)
+            if rule is not None and rule.drop_unmet and _UNMET in result.evidence:
+                continue  # proposed on a hint that the re-run did not confirm: no false suggestion
+            out.append(dataclasses.replace(result, rule=rec.rule))
         except Exception as exc:  # a re-run that cannot run (float16-only kernel, out of memory): say so
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
             # Never offered as if it worked: the snippet would raise the same error in the user's training.
@@ -394,21 +361,30 @@ def _verify_one(
     loc = origin.op.location if origin is not None and origin.op is not None else None
     if kind == "rewrite" and rule is not None and rule.rewrite == "scale_first" and loc is not None:
         return _verify_rewrite(ctx, rec, ScaleFirst(loc.file, loc.line), check_scale)
+    at = site_of(findings)
+    where = (at.location.file, at.location.line) if at is not None else None
+    line_mode = line_rewrite(rule.rewrite, where) if kind == "rewrite" and rule is not None else None
+    if line_mode is not None:
+        return _verify_rewrite(ctx, rec, line_mode, check_scale, at)
     if kind == "bf16" and ctx.run_other_dtype is not None:
         other = ctx.run_other_dtype(1.0)
-        ok = overflow_free(ctx, other)
+        ok = overflow_free(other, ctx.sentinel_ops)
         outcome = "forward and backward finite" if ok else "still non-finite"
         if other.healthy() and not ok:
             outcome = "finite" + _hidden_note(ctx, other)
         return dataclasses.replace(rec, verified=ok, evidence=f"re-ran the step in bfloat16 (unscaled): {outcome}")
     if kind == "loss_scale":
         return verify_loss_scale(ctx.run_unchanged or ctx.run, findings, rec, ctx.modules, ctx.limits,
-                                 ctx.margin_bits, lambda trace: made(ctx, trace))
+                                 ctx.margin_bits, lambda trace: made(trace, ctx.sentinel_ops))
     return rec
 
 
 def _verify_rewrite(
-    ctx: VerifyContext, rec: Recommendation, mode: Union[FusedLog, ScaleFirst], check_scale: float
+    ctx: VerifyContext,
+    rec: Recommendation,
+    mode: Union[FusedLog, ScaleFirst, LineRewrite],
+    check_scale: float,
+    at: Optional[Site] = None,
 ) -> Recommendation:
     """Re-run the step with the rewrite's own arithmetic (fixes.rewrites): verified when it was applied at least
     once, everywhere the pattern ran, and the step came out finite."""
@@ -419,16 +395,19 @@ def _verify_rewrite(
         if last.forward_healthy() and not last.healthy() and check_scale > 1:
             at_one = ctx.run(1.0)
             if at_one.healthy():
-                last, note = at_one, f"; the backward overflows at scale {check_scale:g} but is finite at 1"
-    missed = mode.missed if isinstance(mode, ScaleFirst) else 0
+                last, note = at_one, f"; the backward overflows at scale {_scale_text(check_scale)} but is finite at 1"
+    missed = mode.missed if isinstance(mode, (ScaleFirst, LineRewrite)) else 0
     if not mode.applied or missed:
-        return dataclasses.replace(rec, evidence="re-ran the step with the rewrite: the pattern was not met "
+        return dataclasses.replace(rec, evidence=f"re-ran the step with the rewrite: {_UNMET} "
                                                  f"({mode.applied} time(s) applied, {missed} not), so nothing "
                                                  "was proven")
-    ok = last.healthy()
+    left = _still_overflowing(last, at)
+    ok = last.healthy() and not left
+    if left:
+        note += f"; {left[0]} at that line still makes inf/NaN"
     spare = math.log2(ctx.limits.max / mode.peak) if ctx.limits is not None and mode.peak > 0 else math.inf
     evidence = (
-        f"re-ran the step at scale {check_scale:g} computing the rewritten arithmetic "
+        f"re-ran the step at scale {_scale_text(check_scale)} computing the rewritten arithmetic "
         f"({per_run} time(s) per step): " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
                                           if ok else "still non-finite") + note
     )
@@ -448,6 +427,25 @@ def _verify_rewrite(
     return dataclasses.replace(rec, verified=ok and not hidden, evidence=evidence)
 
 
+def _still_overflowing(trace: PassTrace, at: Optional[Site]) -> list[str]:
+    """The re-run's op overflows at the rewritten site (a hidden overflow the rewrite left): at its line, or, for
+    an op only flagged by the survey (no line), the same op in the same module."""
+    if at is None:
+        return []
+    where, op = (at.location.file, at.location.line), at.op.split("::")[-1]
+    return [
+        f"{o.op} (hidden by {o.hidden_by or 'a later op'})" for o in trace.op_overflows
+        if o.count != 0 and ((o.location.file, o.location.line) == where if o.location is not None
+                             else (o.module, o.op) == (at.module, op))
+    ]
+
+
+def _scale_text(scale: float) -> str:
+    """65536, or 2.0**40 for a large power of two (no six-digit mantissa in any rendering)."""
+    literal = scale_literal(scale)
+    return literal if "**" in literal else f"{scale:g}"
+
+
 def _needs_fix(findings: Findings) -> bool:
     return findings.scale is not None and not findings.scale.harmless
 
@@ -464,4 +462,12 @@ def remedy_for(rec: Recommendation, origin: Optional[Origin]) -> Optional[Callab
     loc = origin.op.location if origin is not None and origin.op is not None else None
     if rule.rewrite == "scale_first" and loc is not None:
         return lambda model: ScaleFirst(loc.file, loc.line)
+    if line_rewrite(rule.rewrite, _line(origin)) is not None:
+        return lambda model: line_rewrite(rule.rewrite, _line(origin))
     return None
+
+
+def _line(origin: Optional[Origin]) -> Optional[tuple[str, int]]:
+    """The origin op's source line (None when the op or its line is unknown)."""
+    loc = origin.op.location if origin is not None and origin.op is not None else None
+    return (loc.file, loc.line) if loc is not None else None

@@ -14,7 +14,7 @@ from ..records import BATCH, LOSS, OpFinding, Recommendation, SourceLocation, Te
 from .numbers import fmt_num
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .data import ReportData
 
 # Names listed inline (propagation, not captured) before "...".
 INLINE_NAMES = 8
@@ -208,7 +208,7 @@ def divergence_lines(d: Divergence) -> list[str]:
     return lines
 
 
-def verdict_text(report: Report) -> str:
+def verdict_text(report: ReportData) -> str:
     """'HEALTHY', or 'HEALTHY on random input' when the batch was random: never mistaken for real data's."""
     return report.verdict.upper() + (" on random input" if report.run.random_input else "")
 
@@ -222,7 +222,7 @@ def random_input_alert(random_input: str) -> str:
     )
 
 
-def alerts(report: Report) -> tuple[str, ...]:
+def alerts(report: ReportData) -> tuple[str, ...]:
     """Facts that change what the whole report means: a random batch, the user's loop without AMP here, no
     gradient checked."""
     run = report.run
@@ -230,7 +230,7 @@ def alerts(report: Report) -> tuple[str, ...]:
     return (*random, *run.environment, *([run.backward_note] if run.backward_note else []))
 
 
-def failed_passes(report: Report) -> list[str]:
+def failed_passes(report: ReportData) -> list[str]:
     """One line per optional pass that failed or was skipped (would not fit in memory): what it was for, why."""
     missed = [p for p in report.run.passes if p.status != "ran"]
     return [f"{p.purpose} ({p.dtype}, scale {fmt_num(p.scale)}): {p.status}: {p.reason}" for p in missed]

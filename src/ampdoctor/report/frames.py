@@ -23,7 +23,7 @@ from ..records import TensorStats
 from .rows import ReportRows, TensorRow
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .data import ReportData
 
 STAT_COLUMNS = tuple(f.name for f in dataclasses.fields(TensorStats) if f.name not in ("dtype", "shape"))
 COLUMNS = (
@@ -101,7 +101,7 @@ def _row(row: TensorRow) -> dict[str, Any]:
     return out
 
 
-def frame_rows(report: Report) -> list[dict[str, Any]]:
+def frame_rows(report: ReportData) -> list[dict[str, Any]]:
     """The rows of :func:`to_dataframe` as plain dicts (no pandas needed)."""
     rows = ReportRows.of(report)
     inputs: dict[Optional[int], list[TensorRow]] = {}
@@ -114,7 +114,7 @@ def frame_rows(report: Report) -> list[dict[str, Any]]:
     return out
 
 
-def to_dataframe(report: Report) -> Any:
+def to_dataframe(report: ReportData) -> Any:
     """A ``pandas.DataFrame`` with one row per module call and tensor (see the module docstring for the rows).
 
     Needs pandas: ``pip install 'ampdoctor[notebook]'``.

@@ -34,7 +34,7 @@ from .text import render_text
 
 if TYPE_CHECKING:
     from ..records import Recommendation
-    from .report import Report
+    from .data import ReportData
 
 __all__ = ["COLLAPSE_MIN_RUN", "FULL_TABLE_ROWS", "render_html", "render_html_page", "stylesheet"]
 
@@ -48,7 +48,7 @@ def stylesheet() -> str:
 # -- banner and cards --------------------------------------------------------------------------------------
 
 
-def _banner(report: Report) -> str:
+def _banner(report: ReportData) -> str:
     f, run = report.findings, report.run
     origin = f.forward_origin or f.backward_origin
     verdict = f.verdict
@@ -147,7 +147,7 @@ def _section(title: str, body: str) -> str:
     return f'<div class="ad-section"><h4>{_e(title)}</h4>{body}</div>' if body else ""
 
 
-def _findings_sections(report: Report) -> str:
+def _findings_sections(report: ReportData) -> str:
     f, run = report.findings, report.run
     parts: list[str] = []
     if f.divergence is not None:
@@ -252,14 +252,14 @@ def _recommendation(rec: Recommendation) -> str:
     return f"<li>{_e(rec.title)}{badge}{extra}{snippet}</li>"
 
 
-def _recommendations(report: Report) -> str:
+def _recommendations(report: ReportData) -> str:
     if not report.recommendations:
         return ""
     items = "".join(_recommendation(r) for r in report.recommendations)
     return f'<div class="ad-section ad-recs"><h4>Recommendations</h4><ol>{items}</ol></div>'
 
 
-def _run_section(report: Report) -> str:
+def _run_section(report: ReportData) -> str:
     run = report.run
     items = [
         ("device", _e(run.device)),
@@ -278,7 +278,7 @@ def _run_section(report: Report) -> str:
 # -- entry points ------------------------------------------------------------------------------------------
 
 
-def render_html(report: Report) -> str:
+def render_html(report: ReportData) -> str:
     """An HTML fragment (Jupyter's ``_repr_html_``): the stylesheet, the report, and a ``<pre>`` text fallback."""
     f, run = report.findings, report.run
     cards = "".join(
@@ -305,7 +305,7 @@ def render_html(report: Report) -> str:
     )
 
 
-def render_html_page(report: Report) -> str:
+def render_html_page(report: ReportData) -> str:
     """A standalone HTML document (``--format html``): the same report, viewable in any browser."""
     origin = report.forward_origin or report.backward_origin
     title = f"ampdoctor: {report.verdict}" + (" on random input" if report.run.random_input else "")

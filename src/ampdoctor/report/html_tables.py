@@ -17,7 +17,7 @@ from .html_parts import _code, _e, _legend, _nonfinite, _shape, _td
 from .rows import LEVEL_RANK, CallRow, ReportRows, TensorRow, bits_text, left_out_line, op_peak_text
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .data import ReportData
 
 # Tables longer than this fold runs of unremarkable rows into one summary row ...
 FULL_TABLE_ROWS = 60
@@ -176,7 +176,7 @@ def _forward_row(c: CallRow) -> Row:
     return Row(c.level, foldable, c.label, cells, c.role == "origin", c.headroom_bits)
 
 
-def forward_rows(report: Report) -> list[Row]:
+def forward_rows(report: ReportData) -> list[Row]:
     """The forward table: one row per call in completion order, showing its worst output."""
     return [_forward_row(c) for c in ReportRows.of(report).calls]
 
@@ -224,7 +224,7 @@ def _backward_row(r: TensorRow) -> Row:
     return Row(r.level, foldable, r.label or r.param or "?", cells, r.origin, r.headroom_bits)
 
 
-def backward_rows(report: Report) -> list[Row]:
+def backward_rows(report: ReportData) -> list[Row]:
     """The backward table: one row per gradient event in execution order (statistics unscaled)."""
     return [_backward_row(r) for r in ReportRows.of(report).grads]
 
@@ -248,7 +248,7 @@ def _counts(rows: Sequence[Row]) -> str:
     return ", ".join(parts)
 
 
-def forward_section(report: Report) -> str:
+def forward_section(report: ReportData) -> str:
     rows = forward_rows(report)
     if not rows:
         return ""
@@ -262,7 +262,7 @@ def forward_section(report: Report) -> str:
     )
 
 
-def backward_section(report: Report) -> str:
+def backward_section(report: ReportData) -> str:
     trace = report.trace
     if not trace.backward_ran:
         return '<div class="ad-section ad-muted">No backward pass was run.</div>'
@@ -284,7 +284,7 @@ def backward_section(report: Report) -> str:
 _STEPS_HEAD = ("step", "loss", "scale", "optimizer step", "forward", "origin", "non-finite gradients", "rank")
 
 
-def steps_rows(report: Report) -> list[Row]:
+def steps_rows(report: ReportData) -> list[Row]:
     """The training steps that ``ampdoctor.watch`` recorded, one row each."""
     rows = []
     for st in report.steps:
@@ -309,7 +309,7 @@ def steps_rows(report: Report) -> list[Row]:
     return rows
 
 
-def steps_section(report: Report) -> str:
+def steps_section(report: ReportData) -> str:
     steps = report.steps
     if not steps:
         return ""

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .scan_report import ScanReport
+    from .scan_data import ScanReportData
 
 # Escapes shown for the common control characters (others: \xNN, \uNNNN).
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\x00": "\\0"}
@@ -42,7 +42,7 @@ def inert(text: str) -> str:
     return "".join(_escape(c) if _dangerous(c) else c for c in text)
 
 
-def inert_names(report: ScanReport) -> ScanReport:
+def inert_names(report: ScanReportData) -> ScanReportData:
     """The report with every name that came from the files (path, file names, tensor keys, globals, notes) made
     :func:`inert`; the text and markdown renderers show this copy. Lookups by name still match: every copy of a
     name is escaped the same way."""

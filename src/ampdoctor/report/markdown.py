@@ -12,7 +12,7 @@ from .rows import left_out_line
 from .sections import build_document
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .data import ReportData
 
 # CommonMark backslash-escapes ASCII punctuation; these would otherwise start emphasis, links, HTML or tables.
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|#~])")
@@ -68,5 +68,5 @@ def markdown_of(doc: Document, title: str = "ampdoctor") -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_markdown(report: Report, max_rows: int = 20) -> str:
+def render_markdown(report: ReportData, max_rows: int = 20) -> str:
     return markdown_of(build_document(report, max_rows))

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from .report import Report
+    from .data import ReportData
 
 # Non-finite tensors are drawn this many bits above the overflow threshold (inside the inf band) ...
 NONFINITE_MARK_BITS = 1.5
@@ -102,7 +102,7 @@ def _scale_text(scale: float) -> str:
     return f"2^{fmt_num(exponent)}" if math.isfinite(exponent) and exponent == int(exponent) else f"{fmt_num(scale)}"
 
 
-def forward_series(report: Report) -> Series:
+def forward_series(report: ReportData) -> Series:
     """Per completed call (in completion order) its outputs; the batch first and the loss last when measured."""
     trace, limits = report.trace, report.run.limits
     series = Series()
@@ -127,7 +127,7 @@ def forward_series(report: Report) -> Series:
     return series
 
 
-def backward_series(report: Report) -> Series:
+def backward_series(report: ReportData) -> Series:
     """Per gradient event (in execution order) the gradient as held: recorded values times the loss scale."""
     limits = report.run.limits
     series = Series()
@@ -247,7 +247,7 @@ def _panel(ax: Axes, series: Series, limits: FormatLimits, y_range: tuple[float,
     _ticks(ax, series)
 
 
-def plot_report(report: Report, path: Optional[str] = None, *, dpi: int = DPI) -> Figure:
+def plot_report(report: ReportData, path: Optional[str] = None, *, dpi: int = DPI) -> Figure:
     """Forward (and backward) panels of each call's range against the format's band; the origin marked.
 
     Returns the figure (it displays itself in Jupyter); with ``path``, also saves it as a PNG there.

@@ -22,7 +22,7 @@ from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 from .numbers import fmt_num
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .data import ReportData
 
 Level = Literal["nonfinite", "warn", "tight", "fine", "none"]
 # Worst first; renderers sort and colour by it (CSS class ``ad-<level>``).
@@ -194,7 +194,7 @@ class ReportRows:
         return sorted((r for c in self.calls for r in c.outputs if r.stats.measured), key=_key)
 
     @classmethod
-    def of(cls, report: Report) -> ReportRows:
+    def of(cls, report: ReportData) -> ReportRows:
         """The rows of ``report``, built once: every renderer of the same report object shares them (the last
         report's rows are kept, by identity, while that report lives)."""
         cached = _LAST.get("rows")
@@ -208,7 +208,7 @@ class ReportRows:
         return rows
 
     @classmethod
-    def _build(cls, report: Report) -> ReportRows:
+    def _build(cls, report: ReportData) -> ReportRows:
         trace, limits = report.trace, report.run.limits
         return cls(
             calls=tuple(_call_rows(report)),
@@ -238,7 +238,7 @@ class ReportRows:
 _LAST: dict[str, tuple[weakref.ref[Any], ReportRows]] = {}
 
 
-def _call_rows(report: Report) -> list[CallRow]:
+def _call_rows(report: ReportData) -> list[CallRow]:
     trace, limits = report.trace, report.run.limits
     origin = report.forward_origin
     creators = {c.index for c in forward_creators(trace)}
@@ -312,7 +312,7 @@ def _inputs_abs_max(records: Sequence[TensorRecord]) -> Optional[float]:
     return max(values) if values else None
 
 
-def _grad_rows(report: Report) -> list[TensorRow]:
+def _grad_rows(report: ReportData) -> list[TensorRow]:
     trace, limits = report.trace, report.run.limits
     marked = origin_event(trace, report.backward_origin)
     owners = {p.name: info for info in report.modules for p in info.params}

@@ -24,7 +24,7 @@ from .scan_text import (
 )
 
 if TYPE_CHECKING:
-    from .scan_report import ScanReport
+    from .scan_data import ScanReportData
 
 
 def code(text: str) -> str:
@@ -55,7 +55,7 @@ def _escape(text: str) -> str:
     return text
 
 
-def render_scan_markdown(report: ScanReport, max_rows: int = 20) -> str:
+def render_scan_markdown(report: ScanReportData, max_rows: int = 20) -> str:
     """The verdict as a heading, then findings, state and tables, each under its own heading. Names from the files
     are shown inert (:func:`~.inert.inert_names`)."""
     report = inert_names(report)

@@ -21,7 +21,7 @@ from .inert import inert_names
 from .text import describe_bad, fmt_num
 
 if TYPE_CHECKING:
-    from .scan_report import ScanReport
+    from .scan_data import ScanReportData
 
 _TEXT_WIDTH = 116  # finding details are wrapped to this width in the text report
 _SHOWN = 3  # tensors named in a finding's sentence before "and N more"
@@ -58,7 +58,7 @@ def _where(path: str) -> str:
 # -- findings: one function per kind, each returning (title, message) ------------------------------------------
 
 
-def _nonfinite(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _nonfinite(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     what = "GradScaler" if f.role == "scaler" else "weight"
     advice = (
         "restore an earlier checkpoint"
@@ -83,7 +83,7 @@ def _nonfinite(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     return f"{len(tensors)} {what} tensor(s) hold inf/NaN", f"{details}{more}{why}; {advice}"
 
 
-def _beyond_range(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _beyond_range(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     lim = r.limits
     return (
         f"{f.count} weight value(s) beyond the {r.dtype} range (|x| >= {fmt_num(lim.overflow_threshold)})",
@@ -92,7 +92,7 @@ def _beyond_range(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
-def _flush_to_zero(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _flush_to_zero(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     if f.severity == "error":
         return (
             f"{len(f.tensors)} tensor(s) lose at least {UNDERFLOW_VERDICT_SHARE:.0%} of their nonzero values to "
@@ -108,7 +108,7 @@ def _flush_to_zero(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
-def _thin_headroom(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _thin_headroom(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     return (
         f"{len(f.tensors)} tensor(s) within {fmt_num(HEADROOM_WARN_BITS)} bit of the {r.dtype} max "
         f"({fmt_num(r.limits.max)})",
@@ -116,7 +116,7 @@ def _thin_headroom(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
-def _float8_saturated(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _float8_saturated(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     formats = sorted({r.tensor(n).stats.dtype for n in f.tensors})
     limits = ", ".join(f"{d} max {fmt_num(fmt.max)}" for d in formats if (fmt := r.storage_format(d)))
     return (
@@ -127,7 +127,7 @@ def _float8_saturated(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
-def _optimizer_nonfinite(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _optimizer_nonfinite(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     tensors = [r.tensor(n) for n in f.tensors]
     second = [t for t in tensors if t.key in SECOND_MOMENT_KEYS]
     title = (
@@ -143,7 +143,7 @@ def _optimizer_nonfinite(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
-def _optimizer_fp16_state(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _optimizer_fp16_state(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     tensors = [r.tensor(n) for n in f.tensors]
     zeros = sum(t.stats.zero_count or 0 for t in tensors)
     subnormal = sum(t.stats.subnormal_count or 0 for t in tensors)
@@ -154,7 +154,7 @@ def _optimizer_fp16_state(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
-def _eps_zero(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _eps_zero(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     eps = ", ".join(f"{fmt_num(e)}" for e in f.eps)
     return (
         f"optimizer eps {eps} is 0 in float16, and its state is float16",
@@ -164,7 +164,7 @@ def _eps_zero(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
-def _scaler(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _scaler(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     scale = scale_text(f.scale if f.scale is not None else math.nan)
     where = _where(f.tensors[0] if f.tensors else "")
     tracker = "" if f.growth_tracker is None else f", growth tracker {f.growth_tracker}"
@@ -182,7 +182,7 @@ def _scaler(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
-def _refused(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _refused(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     needs = "; ".join(
         f"{file.name} needs {', '.join(file.refused)}" for file in r.files if file.name in f.tensors and file.refused
     )
@@ -199,27 +199,27 @@ def _refused(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
     )
 
 
-def _unread_reasons(f: ScanFinding, r: ScanReport) -> str:
+def _unread_reasons(f: ScanFinding, r: ScanReportData) -> str:
     why = {file.name: file.skipped for file in r.files}
     return "; ".join(f"{name}: {why.get(name) or 'not read'}" for name in f.tensors)
 
 
-def _unread(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _unread(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     return f"{len(f.tensors)} checkpoint file(s) could not be read: this scan is incomplete", (
         f"{_unread_reasons(f, r)}; the findings cover only the files that were read: finish the download or copy "
         "(or restore the missing files) and scan again"
     )
 
 
-def _skipped_unread(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _skipped_unread(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     return f"{len(f.tensors)} file(s) skipped", f"{_unread_reasons(f, r)}: left out of this scan"
 
 
-def _no_tensors(f: ScanFinding, r: ScanReport) -> tuple[str, str]:
+def _no_tensors(f: ScanFinding, r: ScanReportData) -> tuple[str, str]:
     return f"{len(f.tensors)} file(s) hold no tensors", f"{_first(f.tensors)}: left out of this scan"
 
 
-_WORDS: dict[str, Callable[[ScanFinding, ScanReport], tuple[str, str]]] = {
+_WORDS: dict[str, Callable[[ScanFinding, ScanReportData], tuple[str, str]]] = {
     "nonfinite": _nonfinite,
     "beyond_range": _beyond_range,
     "flush_to_zero": _flush_to_zero,
@@ -238,17 +238,17 @@ _WORDS: dict[str, Callable[[ScanFinding, ScanReport], tuple[str, str]]] = {
 }
 
 
-def finding_title(finding: ScanFinding, report: ScanReport) -> str:
+def finding_title(finding: ScanFinding, report: ScanReportData) -> str:
     """One short line (the verdict line shows the first error's)."""
     return _WORDS[finding.kind](finding, report)[0]
 
 
-def finding_message(finding: ScanFinding, report: ScanReport) -> str:
+def finding_message(finding: ScanFinding, report: ScanReportData) -> str:
     """The details and what to do."""
     return _WORDS[finding.kind](finding, report)[1]
 
 
-def verdict_line(report: ScanReport) -> str:
+def verdict_line(report: ScanReportData) -> str:
     errors = report.errors()
     head = f"ampdoctor scan: {report.verdict.upper()}"
     if errors:
@@ -258,7 +258,7 @@ def verdict_line(report: ScanReport) -> str:
     return head + (f" - {len(warnings_)} warning(s)" if warnings_ else " - no inf/NaN, nothing out of range")
 
 
-def summary_lines(report: ScanReport) -> list[str]:
+def summary_lines(report: ScanReportData) -> list[str]:
     """What was read and what it was checked against (own limits of float8 formats included)."""
     measured = [t for t in report.tensors if t.stats.measured]
     values = sum(t.stats.numel for t in measured)
@@ -278,7 +278,7 @@ def summary_lines(report: ScanReport) -> list[str]:
     return lines
 
 
-def scaler_rows(report: ScanReport) -> list[list[str]]:
+def scaler_rows(report: ScanReportData) -> list[list[str]]:
     def state(collapsed: bool, scale: float) -> str:
         return "collapsed (persistent overflow)" if collapsed else ("low" if scale < LOW_SCALER_SCALE else "ok")
 
@@ -293,7 +293,7 @@ def scaler_rows(report: ScanReport) -> list[list[str]]:
     ]
 
 
-def optimizer_rows(report: ScanReport) -> list[list[str]]:
+def optimizer_rows(report: ScanReportData) -> list[list[str]]:
     return [
         [
             _where(o.path),
@@ -306,7 +306,7 @@ def optimizer_rows(report: ScanReport) -> list[list[str]]:
     ]
 
 
-def module_table(report: ScanReport, max_rows: int, name: Callable[[str], str] = str) -> Table:
+def module_table(report: ScanReportData, max_rows: int, name: Callable[[str], str] = str) -> Table:
     """Modules, worst first: non-finite values, then values beyond the range, flushed share, headroom."""
 
     def badness(m: ModuleSummary) -> tuple[int, int, float, float]:
@@ -344,13 +344,13 @@ def module_table(report: ScanReport, max_rows: int, name: Callable[[str], str] =
     return headers, rows
 
 
-def _flagged(report: ScanReport, t: ScannedTensor) -> bool:
+def _flagged(report: ScanReportData, t: ScannedTensor) -> bool:
     own = report.storage_format(t.stats.dtype)
     saturated = own is not None and (t.at_max_count or 0) > 1
     return not t.stats.is_finite or bool(t.overflow_count(report.dtype) or t.flush_count(report.dtype)) or saturated
 
 
-def tensor_table(report: ScanReport, max_rows: int, name: Callable[[str], str] = str) -> Table:
+def tensor_table(report: ScanReportData, max_rows: int, name: Callable[[str], str] = str) -> Table:
     """Tensors with inf/NaN, values the target format cannot hold, or float8 values at their own max."""
     dtype = report.dtype
     flagged = [t for t in report.tensors if t.stats.measured and _flagged(report, t)]
@@ -388,7 +388,7 @@ def tensor_table(report: ScanReport, max_rows: int, name: Callable[[str], str] =
     return headers, rows
 
 
-def file_table(report: ScanReport, max_rows: int, name: Callable[[str], str] = str) -> Optional[Table]:
+def file_table(report: ScanReportData, max_rows: int, name: Callable[[str], str] = str) -> Optional[Table]:
     """Files of a directory scan (None for one file scanned whole)."""
     if len(report.files) <= 1 and not any(f.skipped for f in report.files):
         return None
@@ -406,7 +406,7 @@ def file_table(report: ScanReport, max_rows: int, name: Callable[[str], str] = s
     return ["file", "format", "bytes", "tensors", "saved on", "status"], rows
 
 
-def notes(report: ScanReport) -> list[str]:
+def notes(report: ScanReportData) -> list[str]:
     """Note findings, worded, then what the scan could not do and library warnings."""
     worded = [
         f"{finding_title(f, report)}: {finding_message(f, report)}" for f in report.findings if f.severity == "note"
@@ -418,7 +418,7 @@ def _table(table: Table) -> str:
     return tabulate(table[1], headers=table[0], tablefmt="simple", disable_numparse=True)
 
 
-def render_scan_text(report: ScanReport, max_rows: int = 20) -> str:
+def render_scan_text(report: ScanReportData, max_rows: int = 20) -> str:
     """The verdict line, the findings, the scaler and optimizer state, then per-module and per-tensor tables.
     Names from the files are shown inert (:func:`~.inert.inert_names`)."""
     report = inert_names(report)

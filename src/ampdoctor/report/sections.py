@@ -27,10 +27,10 @@ from .hidden_rows import HIDDEN_HEADERS, hidden_note, hidden_rows, hidden_title
 from .rows import CallRow, ReportRows, bits_text, op_peak_text
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .data import ReportData
 
 
-def _head(report: Report) -> str:
+def _head(report: ReportData) -> str:
     f, run = report.findings, report.run
     origin = f.forward_origin or f.backward_origin
     head = verdict_text(report) + (f" - {origin.direction} origin: {origin.label}" if origin is not None else "")
@@ -41,7 +41,7 @@ def _head(report: Report) -> str:
     return head
 
 
-def _facts(report: Report) -> str:
+def _facts(report: ReportData) -> str:
     run = report.run
     backward = (
         f"loss scale {fmt_num(run.scale)} ({run.scale_source}), loss from {run.loss_source}"
@@ -55,10 +55,10 @@ def _facts(report: Report) -> str:
 
 
 # Each section: the report in, zero or more sections out (in the order the document shows them).
-SectionFn = Callable[["Report", int], list[Section]]
+SectionFn = Callable[["ReportData", int], list[Section]]
 
 
-def divergence_section(report: Report, max_rows: int) -> list[Section]:
+def divergence_section(report: ReportData, max_rows: int) -> list[Section]:
     d = report.findings.divergence
     if d is None:
         return []
@@ -67,19 +67,19 @@ def divergence_section(report: Report, max_rows: int) -> list[Section]:
     return [Section(DIVERGENCE_TITLE, tuple(said))]
 
 
-def origin_sections(report: Report, max_rows: int) -> list[Section]:
+def origin_sections(report: ReportData, max_rows: int) -> list[Section]:
     f = report.findings
     return [origin_section(o, report.trace.scale) for o in (f.forward_origin, f.backward_origin) if o is not None]
 
 
-def propagation_section(report: Report, max_rows: int) -> list[Section]:
+def propagation_section(report: ReportData, max_rows: int) -> list[Section]:
     labels = report.findings.propagation
     if not labels:
         return []
     return [Section(f"Propagation: {len(labels)} other call(s) carry the bad values", (Para(inline_names(labels)),))]
 
 
-def hidden_section(report: Report, max_rows: int) -> list[Section]:
+def hidden_section(report: ReportData, max_rows: int) -> list[Section]:
     hidden = report.findings.hidden
     if not hidden:
         return []
@@ -87,7 +87,7 @@ def hidden_section(report: Report, max_rows: int) -> list[Section]:
     return [Section(hidden_title(hidden), (Para(hidden_note(hidden)), table))]
 
 
-def loss_scale_section(report: Report, max_rows: int) -> list[Section]:
+def loss_scale_section(report: ReportData, max_rows: int) -> list[Section]:
     s = report.findings.scale
     if s is None:
         return []
@@ -108,7 +108,7 @@ def loss_scale_section(report: Report, max_rows: int) -> list[Section]:
     return [Section("Loss scale", tuple(body))]
 
 
-def window_section(report: Report, max_rows: int) -> list[Section]:
+def window_section(report: ReportData, max_rows: int) -> list[Section]:
     w = report.findings.window
     if w is None:
         return []
@@ -127,7 +127,7 @@ def window_section(report: Report, max_rows: int) -> list[Section]:
     return [Section("Loss-scale window", (Para(first), Para(f"measured at {probes}")))]
 
 
-def precision_section(report: Report, max_rows: int) -> list[Section]:
+def precision_section(report: ReportData, max_rows: int) -> list[Section]:
     prec = report.findings.precision
     if prec is None:
         return []
@@ -143,7 +143,7 @@ def precision_section(report: Report, max_rows: int) -> list[Section]:
     return [Section("Against a float32 re-run of each call", tuple(body))]
 
 
-def underflow_section(report: Report, max_rows: int) -> list[Section]:
+def underflow_section(report: ReportData, max_rows: int) -> list[Section]:
     u = report.findings.underflow
     if u is None:
         return []
@@ -161,7 +161,7 @@ def underflow_section(report: Report, max_rows: int) -> list[Section]:
     return [Section("Gradient underflow", tuple(body))]
 
 
-def near_limit_section(report: Report, max_rows: int) -> list[Section]:
+def near_limit_section(report: ReportData, max_rows: int) -> list[Section]:
     near = report.findings.near_limit
     if not near:
         return []
@@ -172,7 +172,7 @@ def near_limit_section(report: Report, max_rows: int) -> list[Section]:
     return [Section(title, (make_table(("call", "tensor", "|x|max", "headroom bits"), rows, len(near)),))]
 
 
-def not_captured_section(report: Report, max_rows: int) -> list[Section]:
+def not_captured_section(report: ReportData, max_rows: int) -> list[Section]:
     missed = report.findings.not_captured
     if not missed:
         return []
@@ -180,12 +180,12 @@ def not_captured_section(report: Report, max_rows: int) -> list[Section]:
     return [Section(title, (Para(inline_names(missed, 10)),))]
 
 
-def warnings_section(report: Report, max_rows: int) -> list[Section]:
+def warnings_section(report: ReportData, max_rows: int) -> list[Section]:
     warnings = report.findings.warnings
     return [Section("Warnings", tuple(Para(w) for w in warnings))] if warnings else []
 
 
-def recommendations_section(report: Report, max_rows: int) -> list[Section]:
+def recommendations_section(report: ReportData, max_rows: int) -> list[Section]:
     items = []
     for i, rec in enumerate(report.recommendations, 1):
         details = [f"evidence: {rec.evidence}"] if rec.evidence else []
@@ -196,12 +196,12 @@ def recommendations_section(report: Report, max_rows: int) -> list[Section]:
     return [Section("Recommendations", tuple(items))] if items else []
 
 
-def steps_section(report: Report, max_rows: int) -> list[Section]:
+def steps_section(report: ReportData, max_rows: int) -> list[Section]:
     steps = _steps(report, max_rows)
     return [Section("Training steps", tuple(steps))] if steps else []
 
 
-def headroom_section(report: Report, max_rows: int) -> list[Section]:
+def headroom_section(report: ReportData, max_rows: int) -> list[Section]:
     if not report.trace.calls:
         return []
     rows = ReportRows.of(report)
@@ -230,7 +230,7 @@ def _least(bits: Optional[float], call: Optional[CallRow]) -> float:
     return own
 
 
-def failed_passes_section(report: Report, max_rows: int) -> list[Section]:
+def failed_passes_section(report: ReportData, max_rows: int) -> list[Section]:
     failed = failed_passes(report)
     if not failed:
         return []
@@ -238,7 +238,7 @@ def failed_passes_section(report: Report, max_rows: int) -> list[Section]:
     return [Section(title, tuple(Para(line) for line in failed))]
 
 
-def notes_section(report: Report, max_rows: int) -> list[Section]:
+def notes_section(report: ReportData, max_rows: int) -> list[Section]:
     run = report.run
     notes = [n for n in (run.autocast_note, *run.notes) if n]
     return [Section("Notes", tuple(Para(n) for n in notes))] if notes else []
@@ -264,13 +264,13 @@ SECTIONS: tuple[SectionFn, ...] = (
 )
 
 
-def build_document(report: Report, max_rows: int = 20) -> Document:
+def build_document(report: ReportData, max_rows: int = 20) -> Document:
     """Everything the text and markdown reports say, in order: each of :data:`SECTIONS` in turn."""
     sections = [section for make in SECTIONS for section in make(report, max_rows)]
     return Document(report.findings.verdict, _head(report), _facts(report), tuple(sections), alerts(report))
 
 
-def _steps(report: Report, max_rows: int) -> list[Block]:
+def _steps(report: ReportData, max_rows: int) -> list[Block]:
     """For ``ampdoctor.watch`` reports: the scale history and every skipped step with its explanation."""
     steps = report.steps
     if not steps:

@@ -12,7 +12,7 @@ from .rows import left_out_line
 from .sections import build_document
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .data import ReportData
 
 __all__ = ["describe_bad", "describe_origin", "fmt_num", "render_text", "text_of"]
 
@@ -40,5 +40,5 @@ def text_of(doc: Document, title: str = "ampdoctor") -> str:
     return "\n".join(lines)
 
 
-def render_text(report: Report, max_rows: int = 20) -> str:
+def render_text(report: ReportData, max_rows: int = 20) -> str:
     return text_of(build_document(report, max_rows))

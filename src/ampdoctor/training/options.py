@@ -69,7 +69,7 @@ class WatchOptions:
 
     def __post_init__(self) -> None:
         check_callable("loss_fn", self.loss_fn, "a function loss_fn(output, batch) -> scalar tensor, or None")
-        check_low_dtype("dtype", self.dtype, optional=True)
+        object.__setattr__(self, "dtype", check_low_dtype("dtype", self.dtype, optional=True))
         check_count("stats_every", self.stats_every)
         check_count("history", self.history, minimum=1)
         check_count("max_captures", self.max_captures)
