@@ -6,9 +6,10 @@ a softmax) never cross a module boundary, so their headroom is invisible there. 
 this reads those same values once more on the host (no extra reduction, no device sync) and keeps, per call, the
 largest finite one, when it is larger than the call's outputs show (:class:`~ampdoctor.records.OpPeak`).
 
-Sentinels are left out: fills and selections (``masked_fill``, ``where``, a ``finfo.min`` fill) never count, and an
-op whose input values reach the format's max or beyond (an additive ``finfo.min`` mask, a mask cast down) is mask
-arithmetic, not a peak. An op whose output holds inf/NaN is an overflow (``OpOverflow``), not a peak.
+Sentinels are left out: fills and selections (``masked_fill``, ``where``, a ``finfo.min`` fill) never count, a
+negative side at ``-max`` (``(1 - mask) * finfo.min``) is a constant, not a value, and an op whose input values
+reach the format's max or beyond (an additive ``finfo.min`` mask, a mask cast down) is mask arithmetic, not a
+peak. An op whose output holds inf/NaN is an overflow (``OpOverflow``), not a peak.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def _abs_max(values: Sequence[float], first: int, outputs: int) -> float:
     return max((abs(v) if math.isfinite(v) else math.inf for v in seen), default=0.0)
 
 
+def _value_peak(values: Sequence[float], first: int, outputs: int, limit: float) -> float:
+    """Largest |v| over the node's (min, max) pairs with a negative side at ``-limit`` or below left out (a
+    ``finfo.min`` constant: ``(1 - mask) * finfo.min``); inf when any is non-finite."""
+    seen = values[first : first + 2 * outputs]
+    if not all(math.isfinite(v) for v in seen):
+        return math.inf
+    return max((abs(v) for v in seen if v > -limit), default=0.0)
+
+
 def op_peaks(watch: HiddenWatch, values: Sequence[float], calls: Sequence[ModuleCall]) -> tuple[OpPeak, ...]:
     """Per module call, its own ops' largest finite low-precision output magnitude, where that is larger than the
     call's measured outputs (``calls``: the pass's records, same indices as the watch's). ``values``: the watch's
@@ -41,7 +51,7 @@ def op_peaks(watch: HiddenWatch, values: Sequence[float], calls: Sequence[Module
         limit = _FORMAT_MAX.get(n.dtype)
         if n.call is None or limit is None or n.first < 0 or n.category not in _MAKERS:
             continue
-        peak = _abs_max(values, n.first, n.outputs)
+        peak = _value_peak(values, n.first, n.outputs, limit)
         if not math.isfinite(peak) or peak <= best.get(n.call, (0.0, "", 0))[0]:
             continue
         if any(nodes[i].first >= 0 and _abs_max(values, nodes[i].first, nodes[i].outputs) >= limit for i in n.inputs):
