@@ -44,7 +44,7 @@ def test_window_from_hand_set_gradient_magnitudes() -> None:
     assert report.findings.underflow is not None and report.findings.underflow.lost == 1
     assert report.verdict == "underflow"
     assert report.recommendations[0].action == "loss_scale"
-    assert "init_scale=2048" in report.recommendations[0].snippet
+    assert "init_scale=1024.0" in report.recommendations[0].snippet  # 1 bit below the top 2048
     assert report.recommendations[0].verified and "0.00% of gradient values lost" in report.recommendations[0].evidence
     assert "Loss-scale window" in str(report)
 

@@ -43,6 +43,7 @@ from .capture.session import Session, progress_callback
 from .capture.sharded import full_model
 from .capture.state import StateGuard
 from .capture.stats import format_limits
+from .fixes.overflows import sentinel_ops
 from .fixes.recommend import recommend
 from .fixes.steps import parameter_bytes, train_steps, with_steps
 from .fixes.verify import VerifyContext, remedy_for, verify_recommendations
@@ -280,11 +281,11 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
     findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy)
     if cpu_policy:
         findings = _check_policy_notes(session, findings, modules, final.scale)
-    recommendations = recommend(findings, run_info, modules)
+    recommendations = recommend(findings, run_info, modules, options.margin_bits)
     if options.verify and recommendations:
         recommendations = _verify(
             session, runner, modules, survey, findings, recommendations, used_scale, scale_finding,
-            options.margin_bits,
+            options.margin_bits, final,
         )
     if options.verify_steps and recommendations:
         recommendations, note = _train_steps(session, options, findings, recommendations)
@@ -396,6 +397,7 @@ def _verify(
     used_scale: float,
     scale_finding: Optional[ScaleFinding],
     margin_bits: float,
+    final: Optional[PassTrace] = None,
 ) -> list[Recommendation]:
     check_scale = used_scale
     if findings.forward_origin is None and scale_finding is not None and scale_finding.analysed_scale:
@@ -427,6 +429,7 @@ def _verify(
         device_type="cuda" if session.spec.policy == "cuda_emulated" else session.spec.device_type,
         limits=format_limits(session.spec.dtype),
         margin_bits=margin_bits,
+        sentinel_ops=sentinel_ops(survey, final) if final is not None else frozenset(),
     )
     return verify_recommendations(context, findings, recommendations, check_scale)
 

@@ -41,6 +41,10 @@ def near_limit(trace: PassTrace, modules: Iterable[ModuleInfo], limits: FormatLi
         for r in c.outputs:
             if r.stats.dtype == limits.dtype:
                 check(c.module, c.call, r.path, r.stats)
+    for peak in trace.op_peaks:  # the largest value a call's own ops made (the scores inside an attention)
+        if 0 <= peak.call_index < len(trace.calls):
+            c = trace.calls[peak.call_index]
+            check(c.module, c.call, "op:" + peak.op, TensorStats(limits.dtype, (), min=0.0, max=peak.abs_max))
     for info in modules:
         for p in info.params:
             check(info.name, 0, "param:" + p.name.rsplit(".", 1)[-1], p.stats)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..records import FormatLimits, PassTrace
-from .headroom import headroom_bits
+from .margin import call_headroom
 from .origin import forward_creators
 
 _INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
@@ -56,17 +56,16 @@ class Mechanism:
 
 
 def low_precision_headroom(trace: PassTrace, module: str, limits: FormatLimits) -> tuple[bool, float]:
-    """(finite, smallest headroom) over the module's calls' low-precision outputs in ``trace``."""
+    """(finite, smallest headroom) over the module's calls' low-precision outputs and their own ops' peaks in
+    ``trace`` (sentinels left out: see ``analysis.margin``)."""
     finite, least = True, math.inf
     for c in trace.calls:
         if c.module != module:
             continue
-        for r in c.outputs:
-            if not r.stats.measured or r.stats.dtype != limits.dtype:
-                continue
-            finite = finite and r.stats.is_finite
-            bits = headroom_bits(r.stats.abs_max, limits)
-            least = min(least, math.inf if bits is None else bits)
+        finite = finite and all(
+            r.stats.is_finite for r in c.outputs if r.stats.measured and r.stats.dtype == limits.dtype
+        )
+        least = min([least, *(bits for _, _, bits in call_headroom(trace, c, limits))])
     return finite, least
 
 

@@ -369,3 +369,26 @@ def _settle_bottom(
     if predicted == 0 or measured(predicted - 1) or not confirmed(predicted - 1):
         return predicted
     return bisect_exponents(predicted - 1, -1, lambda e: e >= 0 and confirmed(e))[0]
+
+
+def margin_scale(max_safe: float, margin_bits: float) -> float:
+    """The loss scale to recommend: ``max_safe`` (the largest finite power of two) divided by ``2**margin_bits``,
+    rounded up to whole bits so that it stays a power of two (exact gradient arithmetic), and never below 1 (a scale
+    under 1 is GradScaler's useless range): the gradients keep at least ``margin_bits`` of headroom when it can."""
+    return max(1.0, max_safe / 2.0 ** math.ceil(margin_bits)) if max_safe >= 1 else max_safe
+
+
+def gradient_headroom(trace: PassTrace, limits: FormatLimits, modules: Sequence[ModuleInfo] = ()) -> float:
+    """Bits between the largest low-precision gradient of ``trace`` as held (times its scale) and the format's
+    max (the gradients ``predicted_top`` looks at); inf when none is recorded, -inf when one is non-finite."""
+    low_modules = {c.module for c in trace.calls if any(r.stats.dtype == limits.dtype for r in c.outputs)}
+    owners = param_owners(modules)
+    largest = 0.0
+    for e in trace.grad_events:
+        low = e.stats.dtype == limits.dtype or (e.kind == "param" and owners.get(e.param or "") in low_modules)
+        if not low:
+            continue
+        if not e.stats.is_finite:
+            return -math.inf
+        largest = max(largest, e.stats.abs_max or 0.0)
+    return math.log2(limits.max / (largest * trace.scale)) if largest > 0 else math.inf

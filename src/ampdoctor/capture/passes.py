@@ -21,6 +21,7 @@ from ..records import (
     LOSS,
     ModuleInfo,
     OpOverflow,
+    OpPeak,
     ParamRecord,
     PassTrace,
 )
@@ -30,6 +31,7 @@ from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hidden import HiddenWatch, watching
 from .hooks import Recorder
+from .op_peaks import op_peaks
 from .options import PLAIN_PASS, LossFn, PassOptions
 from .reference import FloatReference
 from .room import RecursionRoom
@@ -359,15 +361,18 @@ class _Step:
             f"the {kind} op zoom could not inspect {z.error}" for kind, z in zooms if z is not None and z.error
         )
         overflows: tuple[OpOverflow, ...] = ()
+        peaks: tuple[OpPeak, ...] = ()
         if self.hidden is not None:
-            overflows = self.hidden.records(self.hidden.read_values(self.collector), recorder.calls)
+            values = self.hidden.read_values(self.collector)
+            overflows = self.hidden.records(values, recorder.calls)
+            peaks = op_peaks(self.hidden, values, trace.calls)
             if self.hidden.error:
                 notes += (f"the hidden-overflow watch could not inspect {self.hidden.error}",)
         if self.emulated is not None:
             notes += tuple(self.emulated.notes())
         self.first = dataclasses.replace(
             trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
-            autocast=self.autocast_on, op_overflows=overflows,
+            autocast=self.autocast_on, op_overflows=overflows, op_peaks=peaks,
         )
         return self.first
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ..analysis import Findings, NearLimit, Origin
+from ..analysis.scale import margin_scale
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
+from ..thresholds import MARGIN_BITS
 from . import rules_rewrites as rw
 from .rules_upcast import (
     HIDDEN_RULE,
@@ -26,7 +28,7 @@ from .rules_upcast import (
     propose_hidden_upcast,
     propose_op_upcast,
 )
-from .snippets import fallback_snippet, scale_literal
+from .snippets import fallback_snippet, scale_literal, stored_low
 
 Situation = Literal["batch", "loss", "weights", "forward", "scale", "backward", "no_window", "other"]
 # How a proposal is proven by a re-run (see fixes/verify.py): the float32 fallback loop from the origin, the step
@@ -47,6 +49,7 @@ class Context:
     findings: Findings
     run: RunInfo
     modules: tuple[ModuleInfo, ...] = ()
+    margin_bits: float = MARGIN_BITS  # a recommended loss scale keeps this many bits below the largest finite one
 
     @property
     def fwd(self) -> Optional[Origin]:
@@ -169,7 +172,7 @@ def _mask_constant(ctx: Context) -> Recommendation:
     )
 
 
-def origin_fallback(origin: Origin, run: RunInfo, why: str) -> Recommendation:
+def origin_fallback(origin: Origin, run: RunInfo, why: str, modules: tuple[ModuleInfo, ...] = ()) -> Recommendation:
     """Run the origin module in float32; at the root (which would be the whole model), compute the op in float32."""
     if origin.module == "":
         where = ""
@@ -188,13 +191,14 @@ def origin_fallback(origin: Origin, run: RunInfo, why: str) -> Recommendation:
         action="fp32_fallback",
         modules=(origin.module,),
         title=f"run {origin.module} ({origin.class_name}) in float32: {why}",
-        snippet=fallback_snippet([origin.module], run.device_type),
+        snippet=fallback_snippet([origin.module], run.device_type, stored_low(modules, [origin.module])),
     )
 
 
 def _forward_fallback(ctx: Context) -> Recommendation:
     assert ctx.fwd is not None
-    return origin_fallback(ctx.fwd, ctx.run, f"its own code made {ctx.fwd.tensor} non-finite from finite inputs")
+    return origin_fallback(ctx.fwd, ctx.run, f"its own code made {ctx.fwd.tensor} non-finite from finite inputs",
+                           ctx.modules)
 
 
 def _keep_applies(ctx: Context) -> bool:
@@ -245,6 +249,7 @@ def _safe_scale(ctx: Context) -> Recommendation:
     scale = ctx.findings.scale
     assert scale is not None and scale.largest_finite_scale is not None
     safe = scale.largest_finite_scale
+    start = margin_scale(safe, ctx.margin_bits)
     return Recommendation(
         action="loss_scale",
         modules=(),
@@ -252,8 +257,9 @@ def _safe_scale(ctx: Context) -> Recommendation:
             f"gradients overflow at scale {scale.used_scale:g} but are finite at {safe:g}: "
             + ("GradScaler's skip-and-back-off handles this; optionally start lower"
                if scale.harmless else "GradScaler would have to back off to a scale that loses gradients")
+            + (f" (start at {start:g}, {ctx.margin_bits:g} bit(s) below it)" if start < safe else "")
         ),
-        snippet=f"scaler = torch.amp.GradScaler({ctx.run.device_type!r}, init_scale={scale_literal(safe)})",
+        snippet=f"scaler = torch.amp.GradScaler({ctx.run.device_type!r}, init_scale={scale_literal(start)})",
     )
 
 
@@ -265,7 +271,7 @@ def _harmful_scale(ctx: Context) -> bool:
 
 def _scale_fallback(ctx: Context) -> Recommendation:
     assert ctx.bwd is not None
-    return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite")
+    return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite", ctx.modules)
 
 
 def _fix_loss_backward(ctx: Context) -> Recommendation:
@@ -281,7 +287,7 @@ def _fix_loss_backward(ctx: Context) -> Recommendation:
 
 def _backward_fallback(ctx: Context) -> Recommendation:
     assert ctx.bwd is not None
-    return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite even at scale 1")
+    return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite even at scale 1", ctx.modules)
 
 
 def _underflows(ctx: Context) -> bool:
@@ -291,7 +297,8 @@ def _underflows(ctx: Context) -> bool:
 def _raise_scale(ctx: Context) -> Recommendation:
     under, window, run = ctx.findings.underflow, ctx.findings.window, ctx.run
     assert under is not None
-    bigger = window.max_safe if window is not None and window.max_safe else run.scale * 2.0**8
+    bigger = margin_scale(window.max_safe, ctx.margin_bits) if window is not None and window.max_safe else (
+        run.scale * 2.0**8)
     return Recommendation(
         action="loss_scale",
         modules=tuple(s.module for s in under.spots[:5]),
@@ -320,7 +327,8 @@ def _into_window(ctx: Context) -> Recommendation:
         modules=(),
         title=f"the loss scale {run.scale:g} is outside the measured window "
         f"[{window.min_useful:g}, {window.max_safe:g}]",
-        snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={scale_literal(window.max_safe)})",
+        snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, "
+        f"init_scale={scale_literal(margin_scale(window.max_safe, ctx.margin_bits))})",
     )
 
 
@@ -338,7 +346,7 @@ def _near_limit_fallback(ctx: Context) -> Recommendation:
         modules=(near.module,),
         title=f"{near.label} is {near.headroom_bits:.2f} bit from the {ctx.run.limits.dtype} max: "
         "consider running it in float32 before it overflows",
-        snippet=fallback_snippet([near.module], ctx.run.device_type),
+        snippet=fallback_snippet([near.module], ctx.run.device_type, stored_low(ctx.modules, [near.module])),
     )
 
 

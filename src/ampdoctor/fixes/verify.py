@@ -10,15 +10,29 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from ..analysis import Findings, Origin, backward_origin, forward_origin
+from ..analysis.margin import PathTensor, path_headroom
 from ..analysis.mechanisms import Instance, Mechanism, mechanism_of
-from ..records import BATCH, LOSS, Cost, FormatLimits, ModuleCall, ModuleInfo, PassTrace, Recommendation, TensorRecord
-from ..thresholds import MARGIN_BITS, SCALE_WINDOW_LOSS_SHARE
+from ..records import (
+    BATCH,
+    LOSS,
+    Cost,
+    FormatLimits,
+    ModuleCall,
+    ModuleInfo,
+    PassTrace,
+    Recommendation,
+    TensorRecord,
+)
+from ..thresholds import MARGIN_BITS
 from .fallback import Fp32Fallback
+from .overflows import OpKey, describe, made, overflow_free
+from .overflows import hiding as _hiding
 from .rewrites import FusedLog, ScaleFirst
 from .rewrites_lines import LineRewrite, line_rewrite
 from .rules import rule_of
 from .rules_rewrites import Site, site_of
-from .snippets import fallback_snippet, scale_literal
+from .scale_check import verify_loss_scale
+from .snippets import fallback_snippet, scale_literal, stored_low
 from .upcast import Fp32Op
 from .verify_upcast import pasted_site, verify_upcast
 
@@ -53,6 +67,9 @@ class VerifyContext:
     run_unchanged: Optional[RunFn] = None
     limits: Optional[FormatLimits] = None  # the format's limits (None: no margin or mechanism check)
     margin_bits: float = MARGIN_BITS
+    # (module, call, op, occurrence) of ops the survey flagged and the diagnosis's classifying re-run found to be
+    # mask arithmetic only (sentinel_ops()): flagged again by a verification re-run, they are not overflows.
+    sentinel_ops: frozenset[OpKey] = frozenset()
 
 
 def _origin_of(trace: PassTrace, modules: list[ModuleInfo]) -> Optional[Origin]:
@@ -130,17 +147,11 @@ def _dtype_changes(before: PassTrace, after: PassTrace, chosen: list[str]) -> tu
     return changed, followed
 
 
-def _hiding(trace: PassTrace) -> set[str]:
-    """Modules with an op that made inf/NaN from finite inputs in ``trace`` (``capture.hidden``'s records, when
-    the pass recorded them): hidden overflows count in the grouping and in the margin."""
-    return {o.module for o in getattr(trace, "op_overflows", ()) if getattr(o, "count", None) != 0}
-
-
 def _mechanisms(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> list[Mechanism]:
     limits = ctx.limits
     if limits is None:
         return []
-    found = (mechanism_of(trace, m, limits, ctx.margin_bits, _hiding(trace)) for m in chosen)
+    found = (mechanism_of(trace, m, limits, ctx.margin_bits, _hiding(trace, ctx.sentinel_ops)) for m in chosen)
     unique = {(m.class_name, m.pattern): m for m in found if m is not None}
     return list(unique.values())
 
@@ -205,6 +216,8 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
         current, add = None, []
         if last.healthy():
             add = [i.module for i in _inside_margin(ctx, last, chosen)]
+            for module in _hidden_left(ctx, last, chosen):  # a hidden overflow left elsewhere: its mechanism joins
+                add += [m for m in _group(ctx, module, chosen + add) if m not in add]
             if add and len(tried) >= MAX_FALLBACK_ROUNDS:
                 break  # reported below as holding at this step, without the margin
             continue
@@ -214,11 +227,36 @@ def verify_fallback(ctx: VerifyContext, origin: Origin, check_scale: float) -> R
     return _finished(ctx, chosen, last, check_scale, scale_note)
 
 
-def _spare_bits(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> float:
-    """The smallest headroom left on the fixed mechanisms' low-precision outputs in the re-run."""
-    mechs = _mechanisms(ctx, trace, chosen)
-    bits = [i.headroom_bits for mech in mechs for i in mech.instances if i.module not in chosen]
-    return min(bits, default=math.inf)
+def _hidden_left(ctx: VerifyContext, trace: PassTrace, chosen: list[str]) -> list[str]:
+    """Modules (not the loss, not the root) where an op still made inf/NaN from finite inputs in ``trace``, hidden
+    or not, outside the fallback set: a remedy must cover them too."""
+    found = {o.module for o in made(trace, ctx.sentinel_ops)}
+    return sorted(m for m in found if m not in (LOSS, BATCH, "") and not _within(m, chosen))
+
+
+def _path(ctx: VerifyContext, trace: PassTrace, chosen: list[str], inside: bool = False) -> list[PathTensor]:
+    """The low-precision tensors on the fixed mechanisms' path in ``trace`` (analysis.margin), least headroom
+    first: the fixed modules' and every instance's outputs and op peaks, and their consumers up to the next
+    normalisation or softmax. ``inside``: the fixed modules' own calls stay low precision (a rewrite)."""
+    if ctx.limits is None:
+        return []
+    instances = [i.module for mech in _mechanisms(ctx, trace, chosen) for i in mech.instances]
+    if inside:
+        return path_headroom(trace, [], [*chosen, *instances], ctx.limits)
+    return path_headroom(trace, chosen, instances, ctx.limits)
+
+
+def _spare_bits(ctx: VerifyContext, trace: PassTrace, chosen: list[str], inside: bool = False) -> float:
+    """The smallest headroom left on the fixed mechanisms' path in the re-run (inf when nothing is measured)."""
+    return min((p.headroom_bits for p in _path(ctx, trace, chosen, inside)), default=math.inf)
+
+
+def _margin_note(ctx: VerifyContext, tight: list[PathTensor]) -> str:
+    return f"; inside the {ctx.margin_bits:g}-bit margin on its path: " + ", ".join(p.describe() for p in tight[:4])
+
+
+def _hidden_note(ctx: VerifyContext, trace: PassTrace) -> str:
+    return describe(made(trace, ctx.sentinel_ops))
 
 
 def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scale: float, scale_note: str
@@ -245,19 +283,24 @@ def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scal
     if share >= MAX_FALLBACK_WORK_SHARE:
         evidence += f"; it runs {share:.0%} of the step's low-precision work in float32 (little of AMP is left)"
     tight = _inside_margin(ctx, last, chosen)
+    on_path = [p for p in _path(ctx, last, chosen) if p.headroom_bits < ctx.margin_bits]
     title = f"run {', '.join(chosen)} in float32; AMP stays on everywhere else"
-    if tight:
+    if tight or on_path:
         spare = _spare_bits(ctx, last, chosen)
         title += f" (holds at this step, with {spare:.2f} bits to spare)"
-        evidence += f"; inside the {ctx.margin_bits:g}-bit margin: " + ", ".join(
-            f"{i.module} ({i.reason})" for i in tight[:4]
-        )
+        if tight:
+            evidence += f"; inside the {ctx.margin_bits:g}-bit margin: " + ", ".join(
+                f"{i.module} ({i.reason})" for i in tight[:4]
+            )
+        if on_path:
+            evidence += _margin_note(ctx, on_path)
+    evidence += _hidden_note(ctx, last)
     return Recommendation(
         action="fp32_fallback",
         modules=tuple(chosen),
         title=title,
-        snippet=fallback_snippet(chosen, ctx.device_type),
-        verified=not changed and not tight,
+        snippet=fallback_snippet(chosen, ctx.device_type, stored_low(ctx.modules, chosen)),
+        verified=not changed and not tight and not on_path and overflow_free(last, ctx.sentinel_ops),
         evidence=evidence,
         cost=fallback_cost(ctx.baseline, ctx.modules, chosen, ctx.low_dtype),
     )
@@ -331,19 +374,15 @@ def _verify_one(
     if line_mode is not None:
         return _verify_rewrite(ctx, rec, line_mode, check_scale, at)
     if kind == "bf16" and ctx.run_other_dtype is not None:
-        ok = ctx.run_other_dtype(1.0).healthy()
+        other = ctx.run_other_dtype(1.0)
+        ok = overflow_free(other, ctx.sentinel_ops)
         outcome = "forward and backward finite" if ok else "still non-finite"
+        if other.healthy() and not ok:
+            outcome = "finite" + _hidden_note(ctx, other)
         return dataclasses.replace(rec, verified=ok, evidence=f"re-ran the step in bfloat16 (unscaled): {outcome}")
-    scale = _proposed_scale(findings)
-    if kind == "loss_scale" and scale is not None:
-        ok = (ctx.run_unchanged or ctx.run)(scale).healthy()
-        evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
-        window = findings.window
-        probe = next((p for p in window.probes if p.scale == scale), None) if window is not None else None
-        if ok and window is not None and probe is not None and probe.lost_share is not None:
-            evidence += f", {probe.lost_share:.2%} of gradient values lost to zero ({window.reference})"
-            ok = probe.lost_share < SCALE_WINDOW_LOSS_SHARE
-        return dataclasses.replace(rec, verified=ok, evidence=evidence)
+    if kind == "loss_scale":
+        return verify_loss_scale(ctx.run_unchanged or ctx.run, findings, rec, ctx.modules, ctx.limits,
+                                 ctx.margin_bits, lambda trace: made(trace, ctx.sentinel_ops))
     return rec
 
 
@@ -381,11 +420,18 @@ def _verify_rewrite(
     )
     if ok and math.isfinite(spare):
         evidence += f"; its results keep {spare:.2f} bits below the {ctx.low_dtype} max"
+    hidden = _hidden_note(ctx, last) if ok else ""
+    evidence += hidden
+    # The rewritten modules stay in low precision: their outputs, op peaks and consumers keep the margin too.
+    tight = [p for p in _path(ctx, last, list(rec.modules), inside=True) if p.headroom_bits < ctx.margin_bits]
+    if ok and tight:
+        evidence += _margin_note(ctx, tight)
+        spare = min(spare, tight[0].headroom_bits)
     if ok and spare < ctx.margin_bits:
         title = f"{rec.title} (holds at this step, with {spare:.2f} bits to spare)"
         return dataclasses.replace(rec, title=title, verified=False, evidence=evidence + (
             f", inside the {ctx.margin_bits:g}-bit margin"))
-    return dataclasses.replace(rec, verified=ok, evidence=evidence)
+    return dataclasses.replace(rec, verified=ok and not hidden, evidence=evidence)
 
 
 def _still_overflowing(trace: PassTrace, at: Optional[Site]) -> list[str]:
@@ -405,15 +451,6 @@ def _scale_text(scale: float) -> str:
     """65536, or 2.0**40 for a large power of two (no six-digit mantissa in any rendering)."""
     literal = scale_literal(scale)
     return literal if "**" in literal else f"{scale:g}"
-
-
-def _proposed_scale(findings: Findings) -> Optional[float]:
-    """The scale a loss-scale recommendation proposes: the largest finite one measured."""
-    if findings.scale is not None and findings.scale.largest_finite_scale:
-        return findings.scale.largest_finite_scale
-    if findings.window is not None and findings.window.max_safe:
-        return findings.window.max_safe
-    return None
 
 
 def _needs_fix(findings: Findings) -> bool:

@@ -290,6 +290,20 @@ class OpOverflow:
         return call_label(self.module, self.call) if self.module != LOSS else LOSS
 
 
+@dataclass(frozen=True)
+class OpPeak:
+    """The largest finite magnitude a module call's own low-precision ops produced in the forward (``capture``
+    reads it from the hidden-overflow watch's reductions), kept only when it is larger than the call's
+    low-precision outputs show: the attention scores inside ``blocks.0.attn``. Ops of child calls count for the
+    child; outputs holding inf/NaN are overflows (``OpOverflow``), not peaks; elementwise arithmetic on an operand
+    at or beyond the format's max (mask arithmetic) and fills are left out (sentinels, not values)."""
+
+    call_index: int  # index into the pass's calls
+    abs_max: float
+    op: str  # the op that made it: "matmul", "exp", "add"
+    occurrence: int = 0  # its index among the same-named ops of this call (as ``OpOverflow.occurrence``)
+
+
 @dataclass(frozen=True, eq=False)
 class Comparison(NanEq):
     """One call's low-precision output against the same call re-run in float32 on its own inputs."""
@@ -326,6 +340,7 @@ class PassTrace:
     autocast: bool = True  # autocast was really in effect during the forward
     uncaptured: tuple[str, ...] = ()  # calls re-run by checkpointing whose gradient could not be captured
     op_overflows: tuple[OpOverflow, ...] = ()  # forward ops that made inf/NaN from finite inputs (capture.hidden)
+    op_peaks: tuple[OpPeak, ...] = ()  # calls whose own ops peaked above their low-precision outputs
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
@@ -348,6 +363,11 @@ class PassTrace:
     def healthy(self) -> bool:
         """The one definition of a healthy pass: a healthy forward and, when the backward ran, finite gradients."""
         return self.forward_healthy() and (not self.backward_ran or self.gradients_finite())
+
+    def overflow_free(self) -> bool:
+        """Healthy, and no op made inf/NaN from finite inputs either, not even one a later op hid (a flagged op
+        counts until a classifying re-run finds only sentinels): what a verified remedy's re-run must be."""
+        return self.healthy() and not any(o.count != 0 for o in self.op_overflows)
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 from .document import fmt_num
 from .html_parts import _code, _e, _legend, _nonfinite, _shape, _td
-from .rows import LEVEL_RANK, CallRow, ReportRows, TensorRow, bits_text, left_out_line
+from .rows import LEVEL_RANK, CallRow, ReportRows, TensorRow, bits_text, left_out_line, op_peak_text
 
 if TYPE_CHECKING:
     from .data import ReportData
@@ -147,6 +147,8 @@ def _forward_row(c: CallRow) -> Row:
     }[c.role]
     if c.mask_input:
         note = (note + "; " if note else "") + "mask input"
+    if c.op_peak is not None:
+        note = (note + "; " if note else "") + f"op inside: {op_peak_text(c)}"
     more = len([r for r in c.outputs if r.stats.measured]) - 1
     out_name = (top.tensor if top is not None else "-") + (f" (+{more})" if more > 0 else "")
     order = str(c.call.end_order) if c.call.end_order >= 0 else "-"

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from ..analysis import forward_creators, headroom_bits, is_mask, origin_event
-from ..records import FormatLimits, ModuleCall, TensorRecord, TensorStats
+from ..records import FormatLimits, ModuleCall, OpPeak, TensorRecord, TensorStats
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
+from .numbers import fmt_num
 
 if TYPE_CHECKING:
     from .data import ReportData
@@ -121,6 +122,10 @@ class CallRow:
     inputs_measured: int
     nonfinite_input: bool  # a non-finite input that is not a mask
     mask_input: bool
+    # The largest value the call's own ops made, when larger than its inputs and outputs show (the scores inside
+    # an attention): None otherwise. ``op_headroom_bits`` is its headroom.
+    op_peak: Optional[OpPeak] = None
+    op_headroom_bits: Optional[float] = None
 
     @property
     def level(self) -> Level:
@@ -240,6 +245,7 @@ def _call_rows(report: ReportData) -> list[CallRow]:
     depth = _depths(trace.calls)
     done = sorted((c for c in trace.calls if c.end_order >= 0), key=lambda c: c.end_order)
     unfinished = [c for c in trace.calls if c.end_order < 0]
+    peaks = {p.call_index: p for p in trace.op_peaks}
     rows = []
     for c in [*done, *unfinished]:
         is_origin = origin is not None and (origin.module, origin.call) == (c.module, c.call)
@@ -264,6 +270,7 @@ def _call_rows(report: ReportData) -> list[CallRow]:
         else:
             role = ""
         measured = [r for r in c.inputs if r.stats.measured]
+        peak = _shown_peak(peaks.get(c.index), measured, outputs)
         rows.append(
             CallRow(
                 call=c,
@@ -275,9 +282,29 @@ def _call_rows(report: ReportData) -> list[CallRow]:
                 inputs_measured=len(measured),
                 nonfinite_input=any(not r.stats.is_finite and not is_mask(r) for r in measured),
                 mask_input=any(is_mask(r) for r in c.inputs),
+                op_peak=peak,
+                op_headroom_bits=headroom_bits(peak.abs_max, limits) if peak is not None else None,
             )
         )
     return rows
+
+
+def _shown_peak(
+    peak: Optional[OpPeak], inputs: Sequence[TensorRecord], outputs: Sequence[TensorRow]
+) -> Optional[OpPeak]:
+    """The call's op peak when it is larger than its measured inputs and outputs suggest (masks aside)."""
+    if peak is None:
+        return None
+    boundary = [r.stats.abs_max for r in inputs if not is_mask(r)] + [r.stats.abs_max for r in outputs]
+    largest = max((v for v in boundary if v is not None), default=0.0)
+    return peak if peak.abs_max > largest else None
+
+
+def op_peak_text(row: CallRow) -> str:
+    """'matmul 58,160 (0.17 bits)': the op peak inside a call, for a table cell or a note ("" when none)."""
+    if row.op_peak is None:
+        return ""
+    return f"{row.op_peak.op} {fmt_num(row.op_peak.abs_max)} ({bits_text(row.op_headroom_bits)} bits)"
 
 
 def _inputs_abs_max(records: Sequence[TensorRecord]) -> Optional[float]:

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import math
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .document import (
     DIVERGENCE_TITLE,
@@ -23,7 +24,7 @@ from .document import (
     verdict_text,
 )
 from .hidden_rows import HIDDEN_HEADERS, hidden_note, hidden_rows, hidden_title
-from .rows import ReportRows, bits_text
+from .rows import CallRow, ReportRows, bits_text, op_peak_text
 
 if TYPE_CHECKING:
     from .data import ReportData
@@ -203,16 +204,30 @@ def steps_section(report: ReportData, max_rows: int) -> list[Section]:
 def headroom_section(report: ReportData, max_rows: int) -> list[Section]:
     if not report.trace.calls:
         return []
-    ranked = ReportRows.of(report).by_headroom()
-    table = make_table(
-        ("call", "class", "tensor", "dtype", "|x|max", "headroom bits"),
-        [
-            [r.label, r.class_name, r.tensor, r.stats.dtype, fmt_num(r.stats.abs_max), bits_text(r.headroom_bits)]
-            for r in ranked[:max_rows]
-        ],
-        len(ranked),
-    )
-    return [Section("Layers by headroom", (table,))]
+    rows = ReportRows.of(report)
+    inside = {c.call.index: c for c in rows.calls if c.op_peak is not None}
+    ranked = rows.by_headroom()
+    if inside:  # a call whose own ops peak above its outputs ranks by that peak (the scores inside an attention)
+        ranked.sort(key=lambda r: _least(r.headroom_bits, inside.get(-1 if r.call_index is None else r.call_index)))
+    headers: tuple[str, ...] = ("call", "class", "tensor", "dtype", "|x|max", "headroom bits")
+    table_rows: list[list[object]] = [
+        [r.label, r.class_name, r.tensor, r.stats.dtype, fmt_num(r.stats.abs_max), bits_text(r.headroom_bits)]
+        for r in ranked[:max_rows]
+    ]
+    if inside:
+        headers += ("inside: op peak",)
+        for cells, r in zip(table_rows, ranked):
+            call = inside.get(-1 if r.call_index is None else r.call_index)
+            cells.append(op_peak_text(call) if call is not None else "")
+    return [Section("Layers by headroom", (make_table(headers, table_rows, len(ranked)),))]
+
+
+def _least(bits: Optional[float], call: Optional[CallRow]) -> float:
+    """The sort key of a headroom row: its own bits, or its call's op peak's when that is less."""
+    own = bits if bits is not None else math.inf
+    if call is not None and call.op_headroom_bits is not None:
+        return min(own, call.op_headroom_bits)
+    return own
 
 
 def failed_passes_section(report: ReportData, max_rows: int) -> list[Section]:
