@@ -65,8 +65,10 @@ def analyze(
     else:
         verdict = "healthy"
     hidden = hidden_overflows(trace)
-    if hidden and verdict == "healthy":
-        verdict = "hidden_overflow"  # the only overflows are hidden: a finding, never healthy
+    if hidden and verdict in ("healthy", "underflow"):
+        # The only overflows are hidden: a finding, never healthy. It outranks underflow: its values are wrong
+        # (an inf turned into 0 or 1 by a later op), and the gradients it zeroes look like underflow.
+        verdict = "hidden_overflow"
     near = near_limit(trace, modules, limits)
     if window is not None and window.empty:
         warnings.append(

@@ -18,7 +18,7 @@ from typing import Literal, Optional
 from ..analysis import Findings, NearLimit, Origin
 from ..analysis.scale import margin_scale
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
-from ..thresholds import MARGIN_BITS
+from ..thresholds import MARGIN_BITS, UNDERFLOW_VERDICT_SHARE
 from . import rules_rewrites as rw
 from .rules_upcast import (
     HIDDEN_RULE,
@@ -291,7 +291,11 @@ def _backward_fallback(ctx: Context) -> Recommendation:
 
 
 def _underflows(ctx: Context) -> bool:
-    return ctx.findings.verdict == "underflow" and ctx.findings.underflow is not None
+    """Underflow is the verdict, or would be but for a hidden overflow (which outranks it)."""
+    under = ctx.findings.underflow
+    if ctx.findings.verdict == "hidden_overflow":
+        return under is not None and under.share >= UNDERFLOW_VERDICT_SHARE
+    return ctx.findings.verdict == "underflow" and under is not None
 
 
 def _raise_scale(ctx: Context) -> Recommendation:
