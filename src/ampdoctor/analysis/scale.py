@@ -31,7 +31,7 @@ from .underflow import lost_gradients
 MAX_WINDOW_EXPONENT = 40
 FP32_REFERENCE = "float32 backward (autocast off)"
 # Binade histograms of gradients (layout: capture.stats.StatsCollector.add_histogram): by parameter name, and under
-# GRADIENT_KEY + its order for a gradient held in the low precision (a call's output gradient).
+# GRADIENT_KEY the sum of those of the gradients held in the low precision (the calls' output gradients).
 Histograms = Mapping[str, Sequence[float]]
 # A bottom predicted at scale 1 needs no re-run when its predicted loss is under this share of the window's 1 % and
 # the low-precision gradients together lose under GRADIENTS_LOSING of their values there (a gradient that loses

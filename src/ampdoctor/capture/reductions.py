@@ -1,5 +1,5 @@
-"""Small reductions the statistics collector reads back: extremes of many small tensors at once, and what a
-NaN-ignoring sum says about the infs behind a NaN."""
+"""Small reductions the statistics collector reads back: extremes of many small tensors at once, what a
+NaN-ignoring sum says about the infs behind a NaN, and the detailed record from its counts."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import itertools
 import math
 
 import torch
+
+from ..records import TensorStats
 
 
 def behind_nan(low: float, high: float, nansum: float) -> tuple[float, float]:
@@ -40,3 +42,48 @@ def segment_extremes(
         counts.append(torch.count_nonzero(block, dim=1))
         start += size * count
     return mins, maxs, counts, sums
+
+
+_SEGMENT_IDS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def segment_ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``i`` for every element of the ``i``-th of consecutive segments of these sizes, on ``device`` (cached: a
+    model's parameter layout comes back in every backward, with no host-to-device copy)."""
+    key = (lengths, device)
+    found = _SEGMENT_IDS.get(key)
+    if found is None:
+        if len(_SEGMENT_IDS) > 64:
+            _SEGMENT_IDS.clear()
+        sizes = torch.tensor(lengths, device=device)
+        found = _SEGMENT_IDS[key] = torch.repeat_interleave(torch.arange(len(lengths), device=device), sizes)
+    return found
+
+
+def detailed_record(name: str, shape: tuple[int, ...], counts: list[float], extremes: list[float]) -> TensorStats:
+    nonzero, nan, posinf, neginf, below_tiny, flush, overflow = (int(v) for v in counts)
+    finite_min, finite_max, smallest = extremes
+    numel = math.prod(shape)
+    zeros = numel - nonzero
+    has_finite = numel - nan - posinf - neginf > 0
+    if nan:
+        low = high = math.nan
+    else:
+        low = -math.inf if neginf else (finite_min if has_finite else math.inf)
+        high = math.inf if posinf else (finite_max if has_finite else -math.inf)
+    return TensorStats(
+        name,
+        shape,
+        low,
+        high,
+        zeros,
+        nan,
+        posinf,
+        neginf,
+        finite_min if has_finite else None,
+        finite_max if has_finite else None,
+        smallest if math.isfinite(smallest) else None,
+        below_tiny - zeros,
+        overflow - posinf - neginf,
+        flush - zeros,
+    )
