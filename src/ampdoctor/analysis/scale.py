@@ -231,9 +231,9 @@ class LossPrediction:
         for name, hist in histograms.items():
             if name.startswith(GRADIENT_KEY):
                 continue
-            acc = summed.setdefault(owners.get(name, name), [0.0] * len(hist))
-            for i, count in enumerate(hist):
-                acc[i] += count
+            owner = owners.get(name, name)
+            acc = summed.get(owner)
+            summed[owner] = [a + c for a, c in zip(acc, hist)] if acc is not None else [float(c) for c in hist]
         self._prefix = {module: _prefix(counts) for module, counts in summed.items()}
 
     def _upto(self, exponent: int, prefix: Sequence[float]) -> float:

@@ -37,6 +37,7 @@ from .stats import INTERNAL, measuring
 from .zoom import innermost_user_line
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
+_DisableTorchFunction = torch._C.DisableTorchFunction
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _LOW_NAMES = frozenset(_NAMES.values())
 
@@ -221,7 +222,7 @@ class HiddenWatch(TorchFunctionMode):
         if measuring():
             return out
         try:
-            with INTERNAL:
+            with INTERNAL, _DisableTorchFunction():  # its own reads pass no mode below it (the write guard)
                 self._see(func, args, kwargs, outs)
         except Exception as exc:  # never break the user's forward; the pass reports it
             if self.error is None:

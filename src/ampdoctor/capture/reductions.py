@@ -25,23 +25,24 @@ def behind_nan(low: float, high: float, nansum: float) -> tuple[float, float]:
 
 def segment_extremes(
     flat: torch.Tensor, lengths: tuple[int, ...]
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Per consecutive segment of ``flat`` (segments sorted by size): its min, max and NaN-ignoring sum (0-d
-    each), and the nonzero counts (one 1-D tensor per run of equal sizes): one reduction of each kind per run."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per consecutive segment of ``flat`` (segments sorted by size): its min, max, NaN-ignoring sum and nonzero
+    count, as 1-D tensors of one value per segment (float32): one reduction of each kind per run of equal sizes."""
     mins: list[torch.Tensor] = []
     maxs: list[torch.Tensor] = []
-    counts: list[torch.Tensor] = []
     sums: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
     start = 0
     for size, run in itertools.groupby(lengths):
         count = len(list(run))
         block = flat[start : start + size * count].view(count, size)
-        mins += block.amin(dim=1).unbind(0)
-        maxs += block.amax(dim=1).unbind(0)
-        sums += block.nansum(dim=1).unbind(0)
+        mins.append(block.amin(dim=1))
+        maxs.append(block.amax(dim=1))
+        sums.append(block.nansum(dim=1))
         counts.append(torch.count_nonzero(block, dim=1))
         start += size * count
-    return mins, maxs, counts, sums
+    one = torch.cat if len(mins) > 1 else (lambda parts: parts[0])
+    return one(mins), one(maxs), one(sums), one(counts).to(flat.dtype)
 
 
 _SEGMENT_IDS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}

@@ -44,6 +44,23 @@ def histogram_bins(w: torch.Tensor, values: Optional[torch.Tensor] = None) -> to
     return bins.masked_fill_(zero | (exponent == 255), HIST_BINS)
 
 
+Statistics = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class Segments:
+    """Statistics already reduced for consecutive tensors: (min, max, NaN-ignoring sum, nonzero count), 1-D
+    tensors of one value per tensor, on ``device``."""
+
+    __slots__ = ("device", "values")
+
+    def __init__(self, device: torch.device, values: Statistics) -> None:
+        self.device = device
+        self.values = values
+
+    def statistics(self) -> Optional[Statistics]:
+        return self.values
+
+
 class Stage:
     """One staging buffer (a device and a dtype) and the statistics of the segments flushed from it."""
 
@@ -56,9 +73,13 @@ class Stage:
         self.wants_hist: list[bool] = []
         self.any_hist = False
         # Per flush: (min, max, NaN-ignoring sum, nonzero count), float32 1-D tensors of one value per segment.
-        self.results: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.results: list[Statistics] = []
         self.count = 0  # segments staged so far: the index of the next one
         self.histogram = histogram  # the running histogram total of the device (int64, HIST_BINS)
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
 
     def add(self, x: torch.Tensor, hist: bool = False) -> int:
         """Copy ``x`` (no gradient needed; 1 to ``STAGE_EACH`` elements of the buffer's dtype and device) into the
@@ -99,7 +120,7 @@ class Stage:
         self.wants_hist = []
         self.any_hist = False
 
-    def statistics(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def statistics(self) -> Optional[Statistics]:
         """Every segment's (min, max, NaN-ignoring sum, nonzero count), flushed first; None when none was staged."""
         self.flush()
         if not self.results:

@@ -22,7 +22,7 @@ import torch
 from ..records import FormatLimits, TensorStats
 from .dtypes import dtype_name
 from .reductions import behind_nan, detailed_record, segment_extremes, segment_ids
-from .staging import HIST_BINS, STAGE_EACH, STAGED_DEVICES, STAGED_DTYPES, Stage, histogram_bins
+from .staging import HIST_BINS, STAGE_EACH, STAGED_DEVICES, STAGED_DTYPES, Segments, Stage, histogram_bins
 
 # Statistic names in the order records list them. The survey level takes one fused min/max and a zero count.
 SURVEY_FIELDS = ("min", "max", "zero_count")
@@ -131,7 +131,9 @@ class StatsCollector:
         ] = {}
         self._details: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._hists: list[tuple[torch.device, int]] = []
-        self._hist_values: dict[torch.device, list[torch.Tensor]] = {}
+        self._hist_values: dict[torch.device, list[torch.Tensor]] = {}  # blocks of rows, (n, HIST_BINS) each
+        self._hist_rows: dict[torch.device, int] = {}
+        self._batches: list[Segments] = []  # add_many's small tensors, reduced together
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int]] = {}
         self._value_groups: list[tuple[torch.device, int, int]] = []
         self._values: dict[torch.device, list[torch.Tensor]] = {}
@@ -266,10 +268,16 @@ class StatsCollector:
     def add_histogram(self, tensor: torch.Tensor) -> int:
         """Queue the binade histogram of ``tensor``'s nonzero finite values (layout: ``HIST_BINS``), read back with
         everything else into ``histograms``; returns its index there."""
-        values = self._hist_values.setdefault(tensor.device, [])
-        values.append(self._histogram(tensor))
-        self._hists.append((tensor.device, len(values) - 1))
-        return len(self._hists) - 1
+        return self._add_rows(self._histogram(tensor).reshape(1, HIST_BINS))
+
+    def _add_rows(self, rows: torch.Tensor) -> int:
+        """Queue a block of histogram rows; returns the index (in ``histograms``) of its first."""
+        device = rows.device
+        self._hist_values.setdefault(device, []).append(rows)
+        first = self._hist_rows.get(device, 0)
+        self._hist_rows[device] = first + rows.shape[0]
+        self._hists += [(device, first + i) for i in range(rows.shape[0])]
+        return len(self._hists) - rows.shape[0]
 
     def add_gradient_histogram(self, tensor: torch.Tensor) -> None:
         """Add the binade histogram of ``tensor`` to the running total :attr:`gradient_histogram` (after read()):
@@ -296,53 +304,43 @@ class StatsCollector:
             ]
         batchable.sort(key=lambda t: t.numel())  # equal sizes side by side: one reduction per size
         group = HIST_GROUP if histograms else len(batchable)
-        measured: dict[int, tuple[Any, ...]] = {}
+        where: dict[int, tuple[Segments, int, int]] = {}
         for start in range(0, len(batchable), group):
-            measured.update(self._batch(batchable[start : start + group], histograms))
-        values = self._hist_values.setdefault(batchable[0].device, [])
+            part = batchable[start : start + group]
+            segments, rows = self._batch(part, histograms)
+            self._batches.append(segments)
+            first = self._add_rows(rows) if rows is not None else -1
+            where.update((id(t), (segments, i, first + i if rows is not None else -1)) for i, t in enumerate(part))
         out = []
         for t in tensors:
-            found = measured.get(id(t))
+            found = where.get(id(t))
             if found is None:
                 hist = self.add_histogram(t) if histograms and _histogrammable(t) else -1
                 out.append((self._measure(t.detach(), 1), hist))
                 continue
-            low, high, nonzero, hist, nansum = found
-            survey = self._survey.setdefault(t.device, ([], [], [], []))
-            survey[0].append(low)
-            survey[1].append(high)
-            survey[2].append(nonzero)
-            survey[3].append(nansum)
-            index, zindex = len(survey[0]) - 1, len(survey[2]) - 1
-            self._slots.append((dtype_name(t.dtype), tuple(t.shape), t.device, index, 1, zindex))
-            if hist is None:
-                out.append((len(self._slots) - 1, -1))
-                continue
-            values.append(hist)
-            self._hists.append((t.device, len(values) - 1))
-            out.append((len(self._slots) - 1, len(self._hists) - 1))
+            segments, i, hist = found
+            self._slots.append((dtype_name(t.dtype), tuple(t.shape), segments, i, 4, -1))
+            out.append((len(self._slots) - 1, hist))
         return out
 
     @staticmethod
-    def _batch(tensors: list[torch.Tensor], histograms: bool = True) -> dict[int, tuple[Any, ...]]:
-        """By ``id``: (min, max, nonzero count, histogram or None, NaN-ignoring sum) of small same-device tensors
-        sorted by size, from their concatenation (float32): per run of equal sizes one amin, amax, nansum and
-        count_nonzero, and one bincount of every element's (tensor, bin) for all (when ``histograms``)."""
+    def _batch(tensors: list[torch.Tensor], histograms: bool = True) -> tuple[Segments, Optional[torch.Tensor]]:
+        """(min, max, NaN-ignoring sum, nonzero count) of small same-device tensors sorted by size, one value each
+        in their order, from their concatenation (float32): per run of equal sizes one amin, amax, nansum and
+        count_nonzero; and their histogram rows (when ``histograms``: one bincount of every element's (tensor,
+        bin) for all)."""
         with torch.no_grad():
             flat = torch.cat([t.reshape(-1) for t in tensors])  # promotes to float32 when mixed
             if flat.dtype != torch.float32:
                 flat = flat.float()
             lengths = tuple(t.numel() for t in tensors)
-            mins, maxs, runs, sums = segment_extremes(flat, lengths)
+            segments = Segments(flat.device, segment_extremes(flat, lengths))
             if not histograms:
-                each = torch.cat(runs).unbind(0)
-                return {id(t): (mins[i], maxs[i], each[i], None, sums[i]) for i, t in enumerate(tensors)}
+                return segments, None
             width = HIST_BINS + 1  # the last column: zeros, infinities and NaN, dropped
             index = histogram_bins(flat).add_(segment_ids(lengths, flat.device) * width)
             hists = torch.bincount(index, minlength=width * len(tensors)).view(len(tensors), width)[:, :HIST_BINS]
-            rows = hists.unbind(0)
-            nonzero_each = torch.cat(runs).unbind(0)
-            return {id(t): (mins[i], maxs[i], nonzero_each[i], rows[i], sums[i]) for i, t in enumerate(tensors)}
+            return segments, hists
 
     def add_values(self, values: list[torch.Tensor]) -> int:
         """Queue a group of 0-d tensors (same device) for the same single readback; see ``values``."""
@@ -368,9 +366,11 @@ class StatsCollector:
         Groups queued with ``add_values`` are in ``self.values`` afterwards, in the order they were added, and
         histograms queued with ``add_histogram`` in ``self.histograms``.
         """
-        stages = {stage: stage.statistics() for stage in self._stages.values()}  # flushed: a few kernels each
+        # Staged tensors (flushed now: a few kernels each) and add_many's batches: one value per tensor in 1-D.
+        stages: dict[Any, Any] = {stage: stage.statistics() for stage in self._stages.values()}
+        stages.update((batch, batch.statistics()) for batch in self._batches)
         devices = {*self._survey, *self._details, *self._values, *self._hist_values, *self._vectors,
-                   *self._gradient_hist, *(stage.buffer.device for stage in self._stages.values())}
+                   *self._gradient_hist, *(owner.device for owner in stages)}
         host: dict[Any, dict[str, list[Any]]] = {}
         for device in devices:
             # Mixed dtypes promote in cat: fp16/bf16/fp32 values and counts below 2**53 are exact in float64.
@@ -384,7 +384,7 @@ class StatsCollector:
                     if values
                 ]
             for stage, staged in stages.items():
-                if staged is not None and stage.buffer.device == device:
+                if staged is not None and stage.device == device:
                     parts += [(stage, n, v.to(wide), 1) for n, v in zip(_STAGED_FIELDS, staged)]
             detail = self._details.get(device)
             if detail and detail[0]:
@@ -392,7 +392,7 @@ class StatsCollector:
                 parts.append((device, "extremes", torch.stack(detail[1]).to(wide).reshape(-1), 3))
             hists = self._hist_values.get(device)
             if hists:
-                parts.append((device, "hists", torch.stack(hists).to(wide).reshape(-1), -HIST_BINS))
+                parts.append((device, "hists", torch.cat(hists).to(wide).reshape(-1), -HIST_BINS))
             total = self._gradient_hist.get(device)
             if total is not None:
                 parts.append((device, "gradient_hist", total.to(wide), -HIST_BINS))
