@@ -379,6 +379,10 @@ class _Step:
             self.recorder.remove()
             self.region.close()
             self.contexts.close()
+            if self.hidden is not None:
+                # The watch and its pause refer to each other: without that cycle the pass's host records go
+                # by reference counting, even while the diagnosis keeps the cyclic collector off.
+                self.recorder.paused = self.hidden.paused = None  # type: ignore[assignment]
         finally:
             if self.gc_was_enabled:
                 gc.enable()
