@@ -24,9 +24,12 @@ STAGE_EACH = 1 << 12
 # Elements a staging buffer holds (its scratch: this many elements of the tensors' dtype, plus float32 copies of
 # it during a flush).
 STAGE_ELEMENTS = 1 << 16
-# Dtypes staged (exact in float32, where the flush reduces), and the devices whose kernels the flush uses.
+# Dtypes staged (exact in float32, where the flush reduces), and the devices staged: the CPU only, where each op
+# costs its dispatch in the pass's time. A flush hands the segment lengths to the device; on CUDA that copy from
+# host memory would wait for the stream (a synchronisation per flush), while per-tensor reductions there are
+# queued without one.
 STAGED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-STAGED_DEVICES = frozenset({"cpu", "cuda"})
+STAGED_DEVICES = frozenset({"cpu"})
 # Binade histogram layout (capture.stats.StatsCollector.add_histogram): bin 0 holds everything nonzero below
 # 2**HIST_LOW, bins 1.. the binades 2**k for HIST_LOW <= k < HIST_HIGH, the last bin everything finite above.
 HIST_BINS = HIST_HIGH - HIST_LOW + 2
