@@ -9,7 +9,12 @@
 * **healthy encoder**: ``diagnose`` of ``overhead.py``'s BERT-style classifier in plain steps (the default passes,
   hidden-overflow detection included when the survey has it);
 * **first call**: the first ``diagnose`` in a fresh process against the second, on a small model (wall clock:
-  imports are what differs).
+  imports are what differs);
+* **failing diagnoses** (issue 18's cost goals: <= 8 plain steps, <= 1.25x a plain step's peak memory, hidden-overflow
+  detection included): ``hidden_overhead.py``'s 2-block transformer (attention in Python, batch 16 x 64 tokens)
+  with a forward overflow (``blocks.0.ff1`` and ``ff2`` weights scaled up: ``blocks.0.ff2`` overflows) and its
+  hidden-overflow variant (no norms, raw inputs, scores clamped before the scaling), each against a plain step of
+  the same model; memory in fresh subprocesses as above.
 
 Times are process CPU time (other processes on a shared machine do not count) unless said otherwise; every ratio
 is a median over ``--repeats`` rounds with plain and measured modes interleaved.
@@ -40,8 +45,9 @@ from torch import nn
 DTYPE = torch.float16
 SCALE = 2.0**16
 GATES = {"tenk_time": 3.0, "tenk_memory": 1.25, "tenk_html_bytes": 1 << 20, "watch_every": 1.10, "watch": 1.03,
-         "encoder": 1.5, "first_extra_s": 0.5}
-PARTS = ("tenk", "watch", "encoder", "first")
+         "encoder": 1.5, "first_extra_s": 0.5, "failing": 8.0, "failing_memory": 1.25}
+PARTS = ("tenk", "watch", "encoder", "first", "failing")
+FAILING = ("forward overflow", "hidden overflow")
 
 
 def tenk_model(pairs: int = 5000, batch: int = 16) -> tuple[nn.Module, torch.Tensor, Callable[[Any, Any], Any]]:
@@ -249,6 +255,78 @@ def measure_first(repeats: int) -> dict[str, Any]:
             "dynamo_imported": any(r["dynamo_imported"] for r in runs)}
 
 
+# -- failing diagnoses -----------------------------------------------------------------------------------------
+
+
+def failing_model(variant: str) -> tuple[nn.Module, torch.Tensor, Callable[[Any, Any], Any]]:
+    """``hidden_overhead.py``'s transformer: ``forward overflow`` (healthy blocks, ``blocks.0``'s feed-forward
+    weights scaled by 100 and 1000: its second Linear makes inf) or ``hidden overflow`` (its hidden variant)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import hidden_overhead
+
+    model, batch = hidden_overhead.build(variant != "hidden overflow", False, 16, 64)
+    if variant == "forward overflow":
+        block = model.blocks[0]  # type: ignore[index]
+        with torch.no_grad():
+            block.ff1.weight.mul_(100)
+            block.ff2.weight.mul_(1000)
+    return model.train(), batch, hidden_overhead.loss_fn
+
+
+def failing_worker(mode: str) -> None:
+    """Fresh process: the peak RSS increment of one plain step or one diagnose of a failing variant."""
+    import ampdoctor
+
+    torch.set_num_threads(1)
+    kind, variant = mode.split(":", 1)
+    model, x, loss_fn = failing_model(variant)
+    run = (lambda: plain_step(model, x, loss_fn)) if kind == "plain" else (
+        lambda: ampdoctor.diagnose(model, x, loss_fn=loss_fn, dtype=DTYPE, device_type="cpu"))
+    plain_step(model, x, loss_fn)
+    run()
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _status_kib("VmRSS") or 0
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        print("AMPDOCTOR_MEMORY null")
+        return
+    run()
+    print("AMPDOCTOR_MEMORY " + json.dumps(((_status_kib("VmHWM") or 0) - base) / 1024))
+
+
+def measure_failing(repeats: int, memory: bool) -> dict[str, Any]:
+    import ampdoctor
+
+    out: dict[str, Any] = {}
+    for variant in FAILING:
+        model, x, loss_fn = failing_model(variant)
+        plain_step(model, x, loss_fn)
+        diagnose = lambda: ampdoctor.diagnose(model, x, loss_fn=loss_fn, dtype=DTYPE, device_type="cpu")  # noqa: E731,B023
+        report = diagnose()  # warm-up
+        pairs = []
+        for _ in range(repeats):
+            plain, _ = _clocked(lambda: plain_step(model, x, loss_fn))  # noqa: B023
+            seconds, report = _clocked(diagnose)
+            pairs.append((plain, seconds))
+        row: dict[str, Any] = {
+            "plain_s": statistics.median(p for p, _ in pairs), "diagnose_x": _median_ratio(pairs),
+            "spread": (min(m / p for p, m in pairs), max(m / p for p, m in pairs)), "verdict": str(report.verdict),
+            "passes": [(p.purpose, round(p.seconds, 2)) for p in report.run.passes],
+        }
+        if memory:
+            plain_mib = _subprocess_json(["--_worker", "failing", "--mode", f"plain:{variant}"], "AMPDOCTOR_MEMORY")
+            diag_mib = _subprocess_json(["--_worker", "failing", "--mode", f"diagnose:{variant}"], "AMPDOCTOR_MEMORY")
+            row.update(plain_mib=plain_mib, diagnose_mib=diag_mib,
+                       memory_x=diag_mib / plain_mib if plain_mib and diag_mib is not None else None)
+        out[variant] = row
+    return out
+
+
 # -- output -----------------------------------------------------------------------------------------------------
 
 
@@ -286,6 +364,16 @@ def report(results: dict[str, Any]) -> None:
         print(f"| healthy encoder: diagnose, plain steps (plain {e['plain_s']:.2f} s; {e['verdict']}; passes "
               f"{e['passes']}) | {e['diagnose_x']:.2f}× | ≤ {GATES['encoder']} | "
               f"{_gate(e['diagnose_x'], GATES['encoder'])} |")
+    for variant, r in (results.get("failing") or {}).items():
+        low, high = r["spread"]
+        print(f"| failing diagnose, 2-block transformer, {variant} (plain {r['plain_s']:.3f} s; {r['verdict']}; "
+              f"{len(r['passes'])} passes; rounds {low:.2f}–{high:.2f}×) | {r['diagnose_x']:.2f}× | "
+              f"≤ {GATES['failing']:g} | {_gate(r['diagnose_x'], GATES['failing'])} |")
+        if "memory_x" in r:
+            mx = r["memory_x"]
+            print(f"| failing diagnose, {variant}: peak memory / plain step's ({r['diagnose_mib']:.0f} / "
+                  f"{r['plain_mib']:.0f} MiB) | {'n/a' if mx is None else f'{mx:.2f}×'} | "
+                  f"≤ {GATES['failing_memory']} | {_gate(mx, GATES['failing_memory'])} |")
     f = results.get("first")
     if f:
         print(f"| first diagnose in a fresh process minus the second, small model (wall: {f['first_s']:.2f} s vs "
@@ -307,6 +395,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.worker == "memory":
         memory_worker(args.mode)
         return 0
+    if args.worker == "failing":
+        failing_worker(args.mode)
+        return 0
     if args.worker == "first":
         first_worker()
         return 0
@@ -325,6 +416,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["encoder"] = measure_encoder(repeats, 8 if args.quick else 1)
         elif part == "first":
             results["first"] = measure_first(repeats)
+        elif part == "failing":
+            results["failing"] = measure_failing(repeats, not args.no_memory)
         else:
             print(f"unknown part {part!r}; choose from {','.join(PARTS)}", file=sys.stderr)
             return 2

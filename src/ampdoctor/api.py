@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections.abc import Iterator
 from typing import Any, Optional, Union
 
@@ -139,8 +140,22 @@ def diagnose(
     root, notes = unwrap_model(model)
     # An FSDP2 model is diagnosed on its gathered full parameters (collective: every rank calls diagnose), and a
     # model.compile()d one eagerly: capture must see every call.
-    with full_model(root) as root, eager_calls(root), _outside_user_autocast():
+    with full_model(root) as root, eager_calls(root), _outside_user_autocast(), _without_cyclic_gc():
         return _diagnose_model(root, notes, batch, options)
+
+
+@contextlib.contextmanager
+def _without_cyclic_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for the diagnosis (the cleanup owner puts the user's setting back, also
+    on Ctrl-C): a diagnosis makes records by the hundred thousand on a model of many modules, and full
+    collections scanning them only cost time; passes free what they made by reference counting."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ SCALE_WINDOW_LOSS_SHARE = 0.01
 # below and one above (fp16's whole subnormal-to-max span is 40 bits; scales go up to 2**40).
 HIST_LOW = -100
 HIST_HIGH = 28
-# Histograms by parameter name, and under this prefix + its order for a gradient held in the low precision.
+# Histograms by parameter name, and under this key (a prefix) the sum of those of gradients held in the low precision.
 GRADIENT_KEY = "<gradient>"
 # The default scale of torch.amp.GradScaler.
 DEFAULT_FP16_SCALE = 2.0**16

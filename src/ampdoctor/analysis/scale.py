@@ -31,7 +31,7 @@ from .underflow import lost_gradients
 MAX_WINDOW_EXPONENT = 40
 FP32_REFERENCE = "float32 backward (autocast off)"
 # Binade histograms of gradients (layout: capture.stats.StatsCollector.add_histogram): by parameter name, and under
-# GRADIENT_KEY + its order for a gradient held in the low precision (a call's output gradient).
+# GRADIENT_KEY the sum of those of the gradients held in the low precision (the calls' output gradients).
 Histograms = Mapping[str, Sequence[float]]
 # A bottom predicted at scale 1 needs no re-run when its predicted loss is under this share of the window's 1 % and
 # the low-precision gradients together lose under GRADIENTS_LOSING of their values there (a gradient that loses
@@ -231,9 +231,9 @@ class LossPrediction:
         for name, hist in histograms.items():
             if name.startswith(GRADIENT_KEY):
                 continue
-            acc = summed.setdefault(owners.get(name, name), [0.0] * len(hist))
-            for i, count in enumerate(hist):
-                acc[i] += count
+            owner = owners.get(name, name)
+            acc = summed.get(owner)
+            summed[owner] = [a + c for a, c in zip(acc, hist)] if acc is not None else [float(c) for c in hist]
         self._prefix = {module: _prefix(counts) for module, counts in summed.items()}
 
     def _upto(self, exponent: int, prefix: Sequence[float]) -> float:

@@ -61,6 +61,8 @@ from .zoom import innermost_user_line
 
 __all__ = ["MAX_CONSUMERS", "HiddenWatch", "Paused", "counted_op", "op_info", "targets_of", "watching"]
 
+_DisableTorchFunction = torch._C.DisableTorchFunction
+
 # How many consumers of one op's values are followed when looking for what hid them.
 MAX_CONSUMERS = 4
 
@@ -146,7 +148,7 @@ class HiddenWatch(TorchFunctionMode):
         if measuring():
             return out
         try:
-            with INTERNAL:
+            with INTERNAL, _DisableTorchFunction():  # its own reads pass no mode below it (the write guard)
                 self._see(func, args, kwargs, outs)
         except Exception as exc:  # never break the user's forward; the pass reports it
             if self.error is None:

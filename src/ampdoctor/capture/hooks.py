@@ -51,7 +51,8 @@ class _OpenCall:
 
 
 class GradSeen(NamedTuple):
-    """A gradient seen during a backward: ``slot`` in the pass's collector, ``histogram`` index or -1."""
+    """A gradient seen during a backward: ``slot`` in the pass's collector, ``histogram`` index or -1 (parameter
+    gradients; the low-precision activation gradients' histograms are summed in the collector)."""
 
     order: int
     kind: GradKind
@@ -217,12 +218,15 @@ class Recorder:
 
     # forward
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        # The hook's own tensor reads are not the model's ops (op zoom, hidden-overflow watch, which steps aside)
-        with INTERNAL, self.paused:
+        # The hook's own tensor reads are not the model's ops: the op zoom skips them, and no torch-function mode
+        # sees them (the hidden-overflow watch, the copy-on-write guard: a few ops per tensor, each a trip through
+        # Python otherwise). A float32 reference re-runs the model's own code in the hook: under the guard, so
+        # only the watch steps aside then.
+        with INTERNAL, (self.paused if self.reference is not None else _DisableTorchFunction()):
             self._enter(module, args, kwargs)
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        with INTERNAL, self.paused:
+        with INTERNAL, (self.paused if self.reference is not None else _DisableTorchFunction()):
             self._exit(module, args, kwargs, output)
 
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -331,11 +335,9 @@ class Recorder:
     def _receive(self, kind: GradKind, index: int, path: str, via_base: bool, grad: torch.Tensor) -> None:
         try:
             grad = measurable(grad)
-            slot = self.collector.add_fresh(grad)
-            hist = -1
-            if self.histograms > 1 and grad.dtype == self.collector.low_dtype and grad.numel():
-                hist = self.collector.add_histogram(grad)
-            self.grads.append(GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base, hist))
+            # Gradients held in the low precision go into the pass's one summed histogram (loss-scale predictions).
+            slot = self.collector.add_fresh(grad, self.histograms > 1 and grad.dtype == self.collector.low_dtype)
+            self.grads.append(GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base))
         except Exception as exc:
             self.error = self.error or exc
 
@@ -367,6 +369,7 @@ class Recorder:
 
 
 _NOT_PAUSED = contextlib.nullcontext()
+_DisableTorchFunction = torch._C.DisableTorchFunction
 
 
 def measurable(grad: torch.Tensor) -> torch.Tensor:

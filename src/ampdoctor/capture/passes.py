@@ -129,7 +129,7 @@ def run_pass(
     ``reference`` (True: leaf modules; an int n: the modules n levels down) compares each chosen call against a
     float32 re-run of that call alone; ``histograms``: binade histograms of the parameter gradients (1), and of
     every gradient held in the low precision too (2): ``share.histograms`` afterwards, by parameter name, and
-    ``GRADIENT_KEY`` + the gradient's order for the others. Every autocast forward flags the ops that make
+    the sum of the others' under ``GRADIENT_KEY``. Every autocast forward flags the ops that make
     inf/NaN from finite inputs (``trace.op_overflows``, :mod:`.hidden`); ``hidden`` names flagged ops (module,
     call, op, occurrence) to count, classify and locate on this pass.
 
@@ -338,11 +338,10 @@ class _Step:
                 "please report this with the model class"
             ) from recorder.error
         stats = self.collector.read()
-        self.histograms = {
-            g.param if g.param is not None else f"{GRADIENT_KEY}{g.order}": self.collector.histograms[g.histogram]
-            for g in recorder.grads
-            if g.histogram >= 0
-        }
+        self.histograms = {g.param: self.collector.histograms[g.histogram]
+                           for g in recorder.grads if g.histogram >= 0 and g.param is not None}
+        if self.collector.gradient_histogram is not None:
+            self.histograms[GRADIENT_KEY] = self.collector.gradient_histogram
         self.backwards += 1
         if self.first is not None:
             events = grad_events(recorder, stats, scale)
@@ -385,6 +384,10 @@ class _Step:
             self.recorder.remove()
             self.region.close()
             self.contexts.close()
+            if self.hidden is not None:
+                # The watch and its pause refer to each other: without that cycle the pass's host records go
+                # by reference counting, even while the diagnosis keeps the cyclic collector off.
+                self.recorder.paused = self.hidden.paused = None  # type: ignore[assignment]
         finally:
             if self.gc_was_enabled:
                 gc.enable()

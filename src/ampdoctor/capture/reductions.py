@@ -1,5 +1,5 @@
-"""Small reductions the statistics collector reads back: extremes of many small tensors at once, and what a
-NaN-ignoring sum says about the infs behind a NaN."""
+"""Small reductions the statistics collector reads back: extremes of many small tensors at once, what a
+NaN-ignoring sum says about the infs behind a NaN, and the detailed record from its counts."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import itertools
 import math
 
 import torch
+
+from ..records import TensorStats
 
 
 def behind_nan(low: float, high: float, nansum: float) -> tuple[float, float]:
@@ -23,20 +25,66 @@ def behind_nan(low: float, high: float, nansum: float) -> tuple[float, float]:
 
 def segment_extremes(
     flat: torch.Tensor, lengths: tuple[int, ...]
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Per consecutive segment of ``flat`` (segments sorted by size): its min, max and NaN-ignoring sum (0-d
-    each), and the nonzero counts (one 1-D tensor per run of equal sizes): one reduction of each kind per run."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per consecutive segment of ``flat`` (segments sorted by size): its min, max, NaN-ignoring sum and nonzero
+    count, as 1-D tensors of one value per segment (float32): one reduction of each kind per run of equal sizes."""
     mins: list[torch.Tensor] = []
     maxs: list[torch.Tensor] = []
-    counts: list[torch.Tensor] = []
     sums: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
     start = 0
     for size, run in itertools.groupby(lengths):
         count = len(list(run))
         block = flat[start : start + size * count].view(count, size)
-        mins += block.amin(dim=1).unbind(0)
-        maxs += block.amax(dim=1).unbind(0)
-        sums += block.nansum(dim=1).unbind(0)
+        mins.append(block.amin(dim=1))
+        maxs.append(block.amax(dim=1))
+        sums.append(block.nansum(dim=1))
         counts.append(torch.count_nonzero(block, dim=1))
         start += size * count
-    return mins, maxs, counts, sums
+    one = torch.cat if len(mins) > 1 else (lambda parts: parts[0])
+    return one(mins), one(maxs), one(sums), one(counts).to(flat.dtype)
+
+
+_SEGMENT_IDS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def segment_ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``i`` for every element of the ``i``-th of consecutive segments of these sizes, on ``device`` (cached: a
+    model's parameter layout comes back in every backward, with no host-to-device copy)."""
+    key = (lengths, device)
+    found = _SEGMENT_IDS.get(key)
+    if found is None:
+        if len(_SEGMENT_IDS) > 64:
+            _SEGMENT_IDS.clear()
+        sizes = torch.tensor(lengths, device=device)
+        found = _SEGMENT_IDS[key] = torch.repeat_interleave(torch.arange(len(lengths), device=device), sizes)
+    return found
+
+
+def detailed_record(name: str, shape: tuple[int, ...], counts: list[float], extremes: list[float]) -> TensorStats:
+    nonzero, nan, posinf, neginf, below_tiny, flush, overflow = (int(v) for v in counts)
+    finite_min, finite_max, smallest = extremes
+    numel = math.prod(shape)
+    zeros = numel - nonzero
+    has_finite = numel - nan - posinf - neginf > 0
+    if nan:
+        low = high = math.nan
+    else:
+        low = -math.inf if neginf else (finite_min if has_finite else math.inf)
+        high = math.inf if posinf else (finite_max if has_finite else -math.inf)
+    return TensorStats(
+        name,
+        shape,
+        low,
+        high,
+        zeros,
+        nan,
+        posinf,
+        neginf,
+        finite_min if has_finite else None,
+        finite_max if has_finite else None,
+        smallest if math.isfinite(smallest) else None,
+        below_tiny - zeros,
+        overflow - posinf - neginf,
+        flush - zeros,
+    )

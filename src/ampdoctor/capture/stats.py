@@ -22,7 +22,8 @@ import torch
 from ..records import FormatLimits, TensorStats
 from ..thresholds import HIST_HIGH, HIST_LOW
 from .dtypes import dtype_name
-from .reductions import behind_nan, segment_extremes
+from .reductions import behind_nan, detailed_record, segment_extremes, segment_ids
+from .staging import HIST_BINS, STAGE_EACH, STAGED_DEVICES, STAGED_DTYPES, Segments, Stage, histogram_bins
 
 # Statistic names in the order records list them. The survey level takes one fused min/max and a zero count.
 SURVEY_FIELDS = ("min", "max", "zero_count")
@@ -42,10 +43,10 @@ CHUNK = 1 << 20
 # Histograms of large tensors go chunk by chunk in pieces this small (their scratch stays in the cache), and
 # tensors up to this size are histogrammed together (``add_many``).
 HIST_CHUNK = BATCH_EACH = 1 << 16
-# Gradient histograms: bin 1 + k - HIST_LOW counts binade 2**k for HIST_LOW <= k < HIST_HIGH; bin 0 everything
-# nonzero below 2**HIST_LOW, the last bin everything finite from 2**HIST_HIGH up.
-HIST_BINS = HIST_HIGH - HIST_LOW + 2
-_FP32_BIAS = 127
+# Gradient histograms (``HIST_BINS``, from .staging): bin 1 + k - HIST_LOW counts binade 2**k for
+# HIST_LOW <= k < HIST_HIGH; bin 0 everything nonzero below 2**HIST_LOW, the last bin everything finite above.
+# Histograms of this many small tensors at most are computed together (their scratch: HIST_BINS counts each).
+HIST_GROUP = 1024
 # Counts computed per chunk by _detail_chunk, in this order; then finite_min, finite_max, min_abs_nonzero.
 _COUNTS = ("nonzero", "nan", "posinf", "neginf", "below_tiny", "at_or_below_flush", "at_or_above_overflow")
 _DIRECT = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -118,16 +119,22 @@ class StatsCollector:
         self.detailed = detailed
         self.zeros = zeros  # the survey level counts zeros (False: min and max only, the cheapest record)
         self._limits = format_limits(low_dtype)
-        # Per slot: (dtype name, shape, device or None when not measured, index in its lists, level, zero index);
-        # level 0: min/max, 1: min/max and zeros, 2: detailed.
-        self._slots: list[tuple[str, tuple[int, ...], Optional[torch.device], int, int, int]] = []
+        # Per slot: (dtype name, shape, device or its Stage, or None when not measured, index in its lists, level,
+        # zero index); level 0: min/max, 1: min/max and zeros, 2: detailed; 3 and 4: 0 and 1, staged.
+        self._slots: list[tuple[str, tuple[int, ...], Any, int, int, int]] = []
+        self._stages: dict[tuple[torch.device, torch.dtype], Stage] = {}
+        # The running binade histogram of every gradient given to add_gradient_histogram, per device.
+        self._gradient_hist: dict[torch.device, torch.Tensor] = {}
+        self.gradient_histogram: Optional[list[float]] = None  # their sum, after read() (None: none given)
         # Per device: min, max, nonzero counts, and NaN-ignoring sums (which tell an inf behind a NaN min/max).
         self._survey: dict[
             torch.device, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
         ] = {}
         self._details: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._hists: list[tuple[torch.device, int]] = []
-        self._hist_values: dict[torch.device, list[torch.Tensor]] = {}
+        self._hist_values: dict[torch.device, list[torch.Tensor]] = {}  # blocks of rows, (n, HIST_BINS) each
+        self._hist_rows: dict[torch.device, int] = {}
+        self._batches: list[Segments] = []  # add_many's small tensors, reduced together
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int]] = {}
         self._value_groups: list[tuple[torch.device, int, int]] = []
         self._values: dict[torch.device, list[torch.Tensor]] = {}
@@ -135,7 +142,7 @@ class StatsCollector:
         self._vector_slots: list[tuple[torch.device, int, int]] = []
         self.vectors: list[list[float]] = []  # in add_vector order, after read()
         self.values: list[list[float]] = []
-        self.histograms: list[list[float]] = []  # counts (as exact floats), in add_histogram order
+        self.histograms: list[list[float]] = []  # counts (ints), in add_histogram order
         self.readbacks = 0
 
     def add(self, tensor: torch.Tensor, detailed: Optional[bool] = None) -> int:
@@ -147,7 +154,7 @@ class StatsCollector:
             return seen[3]
         _internal.depth = getattr(_internal, "depth", 0) + 1
         try:
-            slot = self._measure(tensor.detach(), level)
+            slot = self._measure(tensor.detach() if tensor.requires_grad else tensor, level)
         finally:
             _internal.depth -= 1
         try:
@@ -156,23 +163,33 @@ class StatsCollector:
             pass
         return slot
 
-    def add_fresh(self, tensor: torch.Tensor) -> int:
-        """``add`` for a tensor made just now and seen once (a gradient in a hook): no lookup of earlier slots."""
+    def add_fresh(self, tensor: torch.Tensor, histogram: bool = False) -> int:
+        """``add`` for a tensor made just now and seen once (a gradient in a hook): no lookup of earlier slots.
+        ``histogram``: also add its binade histogram to :attr:`gradient_histogram` (:meth:`add_gradient_histogram`)."""
         _internal.depth = getattr(_internal, "depth", 0) + 1
         try:
             return self._measure(tensor.detach() if tensor.requires_grad else tensor,
-                                 2 if self.detailed else int(self.zeros))
+                                 2 if self.detailed else int(self.zeros), histogram)
         finally:
             _internal.depth -= 1
 
-    def _measure(self, x: torch.Tensor, level: int, nonzero: Optional[torch.Tensor] = None) -> int:
+    def _measure(self, x: torch.Tensor, level: int, histogram: bool = False) -> int:
         shape = tuple(x.shape)
         dtype = x.dtype
         name = _NAMES.get(dtype) or dtype_name(dtype)
-        if dtype not in _DIRECT and (not x.is_floating_point() or x.is_complex()) or x.numel() == 0:
+        numel = x.numel()
+        if dtype not in _DIRECT and (not x.is_floating_point() or x.is_complex()) or numel == 0:
             self._slots.append((name, shape, None, -1, 0, -1))
             return len(self._slots) - 1
         device = x.device
+        if level < 2 and numel <= STAGE_EACH and dtype in STAGED_DTYPES and device.type in STAGED_DEVICES:
+            stage = self._stages.get((device, dtype))
+            if stage is None:
+                stage = self._stages[(device, dtype)] = Stage(dtype, device, self._gradient_total)
+            self._slots.append((name, shape, stage, stage.add(x, histogram), level + 3, -1))
+            return len(self._slots) - 1
+        if histogram:
+            self.add_gradient_histogram(x)
         zindex = -1
         if level == 2:
             counts, extremes = self._detail(x)
@@ -195,7 +212,7 @@ class StatsCollector:
             survey[3].append(torch.nansum(w, dtype=torch.float32))
             index = len(survey[0]) - 1
             if level == 1:  # stored as a nonzero count, turned into a zero count in read()
-                survey[2].append(torch.count_nonzero(w) if nonzero is None else nonzero)
+                survey[2].append(torch.count_nonzero(w))
                 zindex = len(survey[2]) - 1
         self._slots.append((name, shape, device, index, level, zindex))
         return len(self._slots) - 1
@@ -239,31 +256,55 @@ class StatsCollector:
         return counts, extremes
 
     # -- gradient histograms ------------------------------------------------------------------------------------
-    def add_histogram(self, tensor: torch.Tensor) -> int:
-        """Queue the binade histogram of ``tensor``'s nonzero finite values (layout: ``HIST_BINS``), read back with
-        everything else into ``histograms``; returns its index there."""
+    def _histogram(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The binade histogram (int64, ``HIST_BINS``) of ``tensor``'s nonzero finite values: a bincount of the
+        float32 exponent field, chunk by chunk (four kernels a chunk), folded into ``HIST_BINS`` at the end."""
         x = tensor.detach()
         total: Optional[torch.Tensor] = None
         for c in chunks(x, HIST_CHUNK):
             w = c.float() if c.dtype != torch.float32 else c  # float64 magnitudes beyond float32 go to the ends
-            exponent = (w.view(torch.int32) >> 23) & 0xFF  # biased float32 exponent; 0: zero/subnormal, 255: inf/NaN
+            exponent = (w.view(torch.int32) >> 23).bitwise_and_(0xFF)  # 0: zero/subnormal, 255: inf/NaN
             part = torch.bincount(exponent.reshape(-1), minlength=256)
-            total = part if total is None else total + part
+            total = part if total is None else total.add_(part)
         assert total is not None
         # Binade 2**k is biased exponent k + 127. Exponent 0 holds the zeros (dropped here) and float32 subnormals
         # (and float64 values too small for float32), which belong to the bottom bin; 255 holds inf and NaN.
-        low, high = HIST_LOW + _FP32_BIAS, HIST_HIGH + _FP32_BIAS
+        low, high = HIST_LOW + 127, HIST_HIGH + 127
         zeros = x.numel() - torch.count_nonzero(x)
         below = total[1:low].sum() + total[0] - zeros
-        hist = torch.cat((below.reshape(1), total[low:high], total[high:255].sum().reshape(1)))
-        values = self._hist_values.setdefault(x.device, [])
-        values.append(hist)
-        self._hists.append((x.device, len(values) - 1))
-        return len(self._hists) - 1
+        return torch.cat((below.reshape(1), total[low:high], total[high:255].sum().reshape(1)))
+
+    def add_histogram(self, tensor: torch.Tensor) -> int:
+        """Queue the binade histogram of ``tensor``'s nonzero finite values (layout: ``HIST_BINS``), read back with
+        everything else into ``histograms``; returns its index there."""
+        return self._add_rows(self._histogram(tensor).reshape(1, HIST_BINS))
+
+    def _add_rows(self, rows: torch.Tensor) -> int:
+        """Queue a block of histogram rows; returns the index (in ``histograms``) of its first."""
+        device = rows.device
+        self._hist_values.setdefault(device, []).append(rows)
+        first = self._hist_rows.get(device, 0)
+        self._hist_rows[device] = first + rows.shape[0]
+        self._hists += [(device, first + i) for i in range(rows.shape[0])]
+        return len(self._hists) - rows.shape[0]
+
+    def add_gradient_histogram(self, tensor: torch.Tensor) -> None:
+        """Add the binade histogram of ``tensor`` to the running total :attr:`gradient_histogram` (after read()):
+        what the loss-scale predictions read of the activations' gradients is their sum, so no histogram per
+        gradient is kept or read back."""
+        total = self._gradient_total(tensor.device)
+        total += self._histogram(tensor)
+
+    def _gradient_total(self, device: torch.device) -> torch.Tensor:
+        total = self._gradient_hist.get(device)
+        if total is None:
+            total = self._gradient_hist[device] = torch.zeros(HIST_BINS, dtype=torch.int64, device=device)
+        return total
 
     def add_many(self, tensors: list[torch.Tensor], histograms: bool) -> list[tuple[int, int]]:
         """Survey-level slots (zeros counted) of many tensors that need no gradient, and their binade histograms
-        (-1 when not asked); the small ones computed together over their concatenation (``_batch``)."""
+        (-1 when not asked); the small ones computed together over their concatenation (``_batch``), at most
+        ``HIST_GROUP`` at a time when histograms are asked for (their scratch is ``HIST_BINS`` counts each)."""
         batchable = [t for t in tensors if t.dtype in _BATCHABLE and 0 < t.numel() <= BATCH_EACH]
         if len(batchable) < 2:
             return [
@@ -271,59 +312,44 @@ class StatsCollector:
                 for t in tensors
             ]
         batchable.sort(key=lambda t: t.numel())  # equal sizes side by side: one reduction per size
-        measured = self._batch(batchable, histograms)
-        values = self._hist_values.setdefault(batchable[0].device, [])
+        group = HIST_GROUP if histograms else len(batchable)
+        where: dict[int, tuple[Segments, int, int]] = {}
+        for start in range(0, len(batchable), group):
+            part = batchable[start : start + group]
+            segments, rows = self._batch(part, histograms)
+            self._batches.append(segments)
+            first = self._add_rows(rows) if rows is not None else -1
+            where.update((id(t), (segments, i, first + i if rows is not None else -1)) for i, t in enumerate(part))
         out = []
         for t in tensors:
-            found = measured.get(id(t))
+            found = where.get(id(t))
             if found is None:
                 hist = self.add_histogram(t) if histograms and _histogrammable(t) else -1
                 out.append((self._measure(t.detach(), 1), hist))
                 continue
-            low, high, nonzero, hist, nansum = found
-            survey = self._survey.setdefault(t.device, ([], [], [], []))
-            survey[0].append(low)
-            survey[1].append(high)
-            survey[2].append(nonzero)
-            survey[3].append(nansum)
-            index, zindex = len(survey[0]) - 1, len(survey[2]) - 1
-            self._slots.append((dtype_name(t.dtype), tuple(t.shape), t.device, index, 1, zindex))
-            if hist is None:
-                out.append((len(self._slots) - 1, -1))
-                continue
-            values.append(hist)
-            self._hists.append((t.device, len(values) - 1))
-            out.append((len(self._slots) - 1, len(self._hists) - 1))
+            segments, i, hist = found
+            self._slots.append((dtype_name(t.dtype), tuple(t.shape), segments, i, 4, -1))
+            out.append((len(self._slots) - 1, hist))
         return out
 
     @staticmethod
-    def _batch(tensors: list[torch.Tensor], histograms: bool = True) -> dict[int, tuple[Any, ...]]:
-        """By ``id``: (min, max, nonzero count, histogram or None, NaN-ignoring sum) of small same-device tensors
-        sorted by size, from their concatenation (float32): per run of equal sizes one amin, amax, nansum and
-        count_nonzero, and one bincount of the float32 sign-and-exponent fields for all (when ``histograms``)."""
+    def _batch(tensors: list[torch.Tensor], histograms: bool = True) -> tuple[Segments, Optional[torch.Tensor]]:
+        """(min, max, NaN-ignoring sum, nonzero count) of small same-device tensors sorted by size, one value each
+        in their order, from their concatenation (float32): per run of equal sizes one amin, amax, nansum and
+        count_nonzero; and their histogram rows (when ``histograms``: one bincount of every element's (tensor,
+        bin) for all)."""
         with torch.no_grad():
             flat = torch.cat([t.reshape(-1) for t in tensors])  # promotes to float32 when mixed
             if flat.dtype != torch.float32:
                 flat = flat.float()
             lengths = tuple(t.numel() for t in tensors)
+            segments = Segments(flat.device, segment_extremes(flat, lengths))
             if not histograms:
-                mins, maxs, runs, sums = segment_extremes(flat, lengths)
-                each = torch.cat(runs).unbind(0)
-                return {id(t): (mins[i], maxs[i], each[i], None, sums[i]) for i, t in enumerate(tensors)}
-            # bits >> 23 is the sign-and-exponent field, sign-extended: -256..255; each tensor gets 512 bins.
-            offsets, sizes = _offsets(lengths, flat.device)
-            total = torch.bincount((flat.view(torch.int32) >> 23) + offsets, minlength=512 * len(tensors))
-            total = total.view(len(tensors), 2, 256).sum(1)  # both signs
-            low, high = HIST_LOW + _FP32_BIAS, HIST_HIGH + _FP32_BIAS
-            below = total[:, 1:low].sum(1, keepdim=True)  # exponent 0: zeros and float32 subnormals, see below
-            hists = torch.cat((below, total[:, low:high], total[:, high:255].sum(1, keepdim=True)), 1)
-            mins, maxs, runs, sums = segment_extremes(flat, lengths)
-            counts = torch.cat(runs)
-            # Nonzero values with exponent 0 are float32 subnormals: below every binade kept.
-            hists[:, 0] += total[:, 0] - (sizes - counts)
-            rows = hists.unbind(0)
-            nonzero_each = counts.unbind(0)
-            return {id(t): (mins[i], maxs[i], nonzero_each[i], rows[i], sums[i]) for i, t in enumerate(tensors)}
+                return segments, None
+            width = HIST_BINS + 1  # the last column: zeros, infinities and NaN, dropped
+            index = histogram_bins(flat).add_(segment_ids(lengths, flat.device) * width)
+            hists = torch.bincount(index, minlength=width * len(tensors)).view(len(tensors), width)[:, :HIST_BINS]
+            return segments, hists
 
     def add_values(self, values: list[torch.Tensor]) -> int:
         """Queue a group of 0-d tensors (same device) for the same single readback; see ``values``."""
@@ -349,60 +375,76 @@ class StatsCollector:
         Groups queued with ``add_values`` are in ``self.values`` afterwards, in the order they were added, and
         histograms queued with ``add_histogram`` in ``self.histograms``.
         """
-        devices = {*self._survey, *self._details, *self._values, *self._hist_values, *self._vectors}
-        host: dict[torch.device, dict[str, list[Any]]] = {}
+        # Staged tensors (flushed now: a few kernels each) and add_many's batches: one value per tensor in 1-D.
+        stages: dict[Any, Any] = {stage: stage.statistics() for stage in self._stages.values()}
+        stages.update((batch, batch.statistics()) for batch in self._batches)
+        devices = {*self._survey, *self._details, *self._values, *self._hist_values, *self._vectors,
+                   *self._gradient_hist, *(owner.device for owner in stages)}
+        host: dict[Any, dict[str, list[Any]]] = {}
         for device in devices:
             # Mixed dtypes promote in cat: fp16/bf16/fp32 values and counts below 2**53 are exact in float64.
             wide = torch.float32 if device.type == "mps" else torch.float64
-            parts: list[tuple[str, torch.Tensor, int]] = []
+            parts: list[tuple[Any, str, torch.Tensor, int]] = []  # (owner, name, values, width)
             survey = self._survey.get(device)
             if survey:
                 parts += [
-                    (n, torch.stack(values).to(wide), 1)
+                    (device, n, torch.stack(values).to(wide), 1)
                     for n, values in zip((*SURVEY_FIELDS, "nansum"), survey)
                     if values
                 ]
+            for stage, staged in stages.items():
+                if staged is not None and stage.device == device:
+                    parts += [(stage, n, v.to(wide), 1) for n, v in zip(_STAGED_FIELDS, staged)]
             detail = self._details.get(device)
             if detail and detail[0]:
-                parts.append(("counts", torch.stack(detail[0]).to(wide).reshape(-1), len(_COUNTS)))
-                parts.append(("extremes", torch.stack(detail[1]).to(wide).reshape(-1), 3))
+                parts.append((device, "counts", torch.stack(detail[0]).to(wide).reshape(-1), len(_COUNTS)))
+                parts.append((device, "extremes", torch.stack(detail[1]).to(wide).reshape(-1), 3))
             hists = self._hist_values.get(device)
             if hists:
-                parts.append(("hists", torch.stack(hists).to(wide).reshape(-1), HIST_BINS))
+                parts.append((device, "hists", torch.cat(hists).to(wide).reshape(-1), -HIST_BINS))
+            total = self._gradient_hist.get(device)
+            if total is not None:
+                parts.append((device, "gradient_hist", total.to(wide), -HIST_BINS))
             queued = self._values.get(device)
             if queued:
-                parts.append(("values", torch.stack([v.to(wide) for v in queued]), 1))
+                parts.append((device, "values", torch.stack([v.to(wide) for v in queued]), 1))
             vectors = self._vectors.get(device)
             if vectors:
-                parts.append(("vectors", torch.cat([v.to(wide) for v in vectors]), 1))
-            numbers = torch.cat([p for _, p, _ in parts]).tolist()
+                parts.append((device, "vectors", torch.cat([v.to(wide) for v in vectors]), 1))
+            if not parts:
+                continue
+            # The one transfer of this device; the parts are split and converted on the host (no full list of
+            # every number, and counts come back as ints: small ones are shared objects).
+            numbers = torch.cat([p for _, _, p, _ in parts]).cpu()
             self.readbacks += 1
-            start = 0
-            out: dict[str, list[Any]] = {}
-            for name, part, width in parts:
-                count = part.numel()
-                flat = numbers[start : start + count]
-                out[name] = flat if width == 1 else [flat[i : i + width] for i in range(0, count, width)]
-                start += count
-            host[device] = out
+            for (owner, name, _part, width), piece in zip(parts, numbers.split([p.numel() for _, _, p, _ in parts])):
+                if width < 0:  # counts
+                    values: list[Any] = piece.to(torch.int64).view(-1, -width).tolist()
+                else:
+                    values = piece.tolist() if width == 1 else piece.view(-1, width).tolist()
+                host.setdefault(owner, {})[name] = values
         records: list[TensorStats] = []
         append = records.append
+        prod = math.prod
         for name, shape, where, index, level, zindex in self._slots:
             if where is None:
                 append(TensorStats(name, shape))
                 continue
             data = host[where]
             if level == 2:
-                append(_detailed_record(name, shape, data["counts"][index], data["extremes"][index]))
-            else:
-                low, high = data["min"][index], data["max"][index]
-                if high != high or low != low:  # NaN: an inf behind it shows in the NaN-ignoring sum
-                    low, high = behind_nan(low, high, data["nansum"][index])
-                if level == 1:
-                    nonzero = data["zero_count"][zindex]
-                    append(TensorStats(name, shape, low, high, math.prod(shape) - int(nonzero)))
-                else:  # the common case, kept lean: a record per tensor of every pass
-                    append(TensorStats(name, shape, low, high))
+                append(detailed_record(name, shape, data["counts"][index], data["extremes"][index]))
+                continue
+            low, high = data["min"][index], data["max"][index]
+            if high != high or low != low:  # NaN: an inf behind it shows in the NaN-ignoring sum
+                low, high = behind_nan(low, high, data["nansum"][index])
+            if level == 1:
+                append(TensorStats(name, shape, low, high, prod(shape) - int(data["zero_count"][zindex])))
+            elif level == 4:  # staged, zeros counted
+                append(TensorStats(name, shape, low, high, prod(shape) - int(data["zero_count"][index])))
+            else:  # the common case, kept lean: a record per tensor of every pass
+                append(TensorStats(name, shape, low, high))
+        gradient = [host[d]["gradient_hist"][0] for d in self._gradient_hist]
+        self.gradient_histogram = [sum(bins) for bins in zip(*gradient)] if gradient else None
         self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]
         self.vectors = [host[device]["vectors"][start : start + n] for device, start, n in self._vector_slots]
         self.histograms = [host[device]["hists"][index] for device, index in self._hists]
@@ -418,55 +460,13 @@ class StatsCollector:
 
 
 _BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
+# What a Stage's statistics are called in read(): the survey's names (nonzero counts under "zero_count").
+_STAGED_FIELDS = ("min", "max", "nansum", "zero_count")
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-_OFFSETS: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _histogrammable(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.numel() > 0 and not t.is_complex()
-
-
-def _offsets(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``512 * i + 256`` for every element of the ``i``-th of consecutive segments, and the segments' sizes, on
-    ``device`` (cached: a model's parameter layout comes back in every backward, with no host-to-device copy)."""
-    key = (lengths, device)
-    found = _OFFSETS.get(key)
-    if found is None:
-        if len(_OFFSETS) > 64:
-            _OFFSETS.clear()
-        sizes = torch.tensor(lengths, device=device)
-        starts = torch.arange(256, 512 * len(lengths), 512, dtype=torch.int32, device=device)
-        found = _OFFSETS[key] = (torch.repeat_interleave(starts, sizes), sizes)
-    return found
-
-
-def _detailed_record(name: str, shape: tuple[int, ...], counts: list[float], extremes: list[float]) -> TensorStats:
-    nonzero, nan, posinf, neginf, below_tiny, flush, overflow = (int(v) for v in counts)
-    finite_min, finite_max, smallest = extremes
-    numel = math.prod(shape)
-    zeros = numel - nonzero
-    has_finite = numel - nan - posinf - neginf > 0
-    if nan:
-        low = high = math.nan
-    else:
-        low = -math.inf if neginf else (finite_min if has_finite else math.inf)
-        high = math.inf if posinf else (finite_max if has_finite else -math.inf)
-    return TensorStats(
-        name,
-        shape,
-        low,
-        high,
-        zeros,
-        nan,
-        posinf,
-        neginf,
-        finite_min if has_finite else None,
-        finite_max if has_finite else None,
-        smallest if math.isfinite(smallest) else None,
-        below_tiny - zeros,
-        overflow - posinf - neginf,
-        flush - zeros,
-    )
 
 
 def tensor_stats(tensor: torch.Tensor, low_dtype: torch.dtype = torch.float16, detailed: bool = True) -> TensorStats:
