@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from ..analysis import Findings, NearLimit, Origin
+from ..analysis import NearLimit, Origin
 from ..analysis.scale import margin_scale
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
-from ..thresholds import MARGIN_BITS, UNDERFLOW_VERDICT_SHARE
+from ..thresholds import UNDERFLOW_VERDICT_SHARE
 from . import rules_rewrites as rw
+from .context import Context
 from .rules_upcast import (
     HIDDEN_RULE,
     UPCAST_COST,
@@ -40,35 +41,6 @@ VerifyKind = Literal["fallback", "bf16", "loss_scale", "rewrite", "upcast", "non
 FILL_OPS = frozenset(
     {"aten::masked_fill", "aten::fill", "aten::full", "aten::where", "aten::new_full", "aten::scalar_tensor"}
 )
-
-
-@dataclass(frozen=True)
-class Context:
-    """What every rule reads: the findings, the run's facts, the modules (with their parameters)."""
-
-    findings: Findings
-    run: RunInfo
-    modules: tuple[ModuleInfo, ...] = ()
-    margin_bits: float = MARGIN_BITS  # a recommended loss scale keeps this many bits below the largest finite one
-
-    @property
-    def fwd(self) -> Optional[Origin]:
-        return self.findings.forward_origin
-
-    @property
-    def bwd(self) -> Optional[Origin]:
-        return self.findings.backward_origin
-
-    @property
-    def float16(self) -> bool:
-        return self.run.limits.dtype == "float16"
-
-    def broken_weights(self) -> list[str]:
-        """Parameters of the origin module that already hold inf/NaN."""
-        origin = self.fwd or self.bwd
-        if origin is None:
-            return []
-        return [p.name for m in self.modules if m.name == origin.module for p in m.params if not p.stats.is_finite]
 
 
 def situation(ctx: Context) -> Situation:

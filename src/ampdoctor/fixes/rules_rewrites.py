@@ -15,7 +15,7 @@ from ..analysis import Findings
 from ..records import BATCH, LOSS, Recommendation, SourceLocation
 
 if TYPE_CHECKING:
-    from .rules import Context
+    from .context import Context
 
 
 # What each rewrite costs (besides an edit of the code): all are cheaper than a module in float32.

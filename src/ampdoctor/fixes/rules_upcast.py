@@ -16,7 +16,7 @@ from ..analysis.hidden import HiddenOverflow
 from ..records import BATCH, LOSS, Recommendation, SourceLocation
 
 if TYPE_CHECKING:
-    from .rules import Context
+    from .context import Context
 
 HIDDEN_RULE = "hidden_fp32_op"
 # Torch functions that run a fused kernel (what runs inside cannot be reached): never upcast alone.

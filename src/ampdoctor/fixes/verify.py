@@ -16,16 +16,15 @@ from ..records import (
     BATCH,
     LOSS,
     Cost,
-    FormatLimits,
     ModuleCall,
     ModuleInfo,
     PassTrace,
     Recommendation,
     TensorRecord,
 )
-from ..thresholds import MARGIN_BITS
+from .context import VerifyContext
 from .fallback import Fp32Fallback
-from .overflows import OpKey, describe, made, overflow_free
+from .overflows import describe, made, overflow_free
 from .overflows import hiding as _hiding
 from .rewrites import FusedLog, ScaleFirst
 from .rewrites_lines import LineRewrite, line_rewrite
@@ -47,29 +46,9 @@ MAX_FALLBACK_WORK_SHARE = 0.9
 _EXTRA_BYTES = {"float16": 2, "bfloat16": 2}
 _MATMUL_CLASSES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
-RunFn = Callable[[float], PassTrace]
 _UNMET = "the pattern was not met"
 _CODE_FIXES = frozenset({"rewrite", "mask_constant", "fix_code", "fix_batch", "fix_loss", "fix_weights"})
 
-
-@dataclasses.dataclass
-class VerifyContext:
-    """What verification needs from the diagnosis: the live model and ways to re-run its step."""
-
-    root: nn.Module
-    modules: list[ModuleInfo]
-    baseline: PassTrace  # the survey at the used scale, without fixes
-    low_dtype: str
-    run: RunFn  # a survey pass at a scale, same RNG and buffers as the diagnosis
-    run_other_dtype: Optional[RunFn]  # the same in bfloat16 (None when not applicable)
-    device_type: str = "cpu"  # the autocast device of the user's loop (for snippets)
-    # The unchanged step at a scale, served from the passes the diagnosis already ran when it has one.
-    run_unchanged: Optional[RunFn] = None
-    limits: Optional[FormatLimits] = None  # the format's limits (None: no margin or mechanism check)
-    margin_bits: float = MARGIN_BITS
-    # (module, call, op, occurrence) of ops the survey flagged and the diagnosis's classifying re-run found to be
-    # mask arithmetic only (sentinel_ops()): flagged again by a verification re-run, they are not overflows.
-    sentinel_ops: frozenset[OpKey] = frozenset()
 
 
 def _origin_of(trace: PassTrace, modules: list[ModuleInfo]) -> Optional[Origin]:

@@ -35,7 +35,7 @@ from .rules_upcast import FUSED_FUNCTIONS, HIDDEN_RULE, hidden_site, ordinal, sa
 from .upcast import Fp32Op, _Frame, _ScopedOps
 
 if TYPE_CHECKING:
-    from .verify import VerifyContext
+    from .context import VerifyContext
 
 # The mechanism instances that need the remedy with the origin (fixes.verify's grouping), and a pass's mechanisms.
 Group = Callable[[str], list[str]]
