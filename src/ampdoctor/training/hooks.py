@@ -25,6 +25,7 @@ from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
 from ..capture.walk import iter_tensors
 from .compiled import CompiledStats, RootTap, is_compiled
+from .fastpath import NodeHook, hang_grad_hook
 from .quiet import diagnosing, recomputing
 from .readback import MicroBatch, loss_value
 from .replay_step import own_loss
@@ -53,6 +54,7 @@ class WatchHooks:
         self.tracked_handles: list[Any] = []
         self.count_underflow = False  # sampled steps: count small gradient values too (a sink wants the share)
         self._receivers: dict[tuple[str, bool], _GradReceiver] = {}
+        self._probes: dict[int, _ModuleProbe] = {}  # per module: its forward hook, made once (no closure per step)
 
     # -- installing -----------------------------------------------------------------------------------------
     @uninterrupted
@@ -78,14 +80,15 @@ class WatchHooks:
             self.remove_tracked()
             for module in self.w.root.modules():
                 if module is not self.w.root:
-                    self.module_handles.append(module.register_forward_hook(self.module_post))
+                    self.module_handles.append(module.register_forward_hook(self.probe(module)))
         elif not on:
             if self.module_handles:
                 self.remove_modules()
             if self.tracked and not self.tracked_handles:
                 modules = dict(self.w.root.named_modules())
                 self.tracked_handles = [
-                    modules[name].register_forward_hook(self.module_post) for name in self.tracked if name in modules
+                    modules[name].register_forward_hook(self.probe(modules[name]))
+                    for name in self.tracked if name in modules
                 ]
 
     def track(self, names: list[str]) -> None:
@@ -206,59 +209,95 @@ class WatchHooks:
         cur.tensor_handles.append(register_grad_hook(t, receive)[0])
 
     # -- modules (eager, sampled steps) ---------------------------------------------------------------------
-    def module_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        w = self.w
+    def probe(self, module: nn.Module) -> _ModuleProbe:
+        """The forward hook of ``module`` (one per module, kept for the watch's life)."""
+        probe = self._probes.get(id(module))
+        if probe is None:
+            probe = self._probes[id(module)] = _ModuleProbe(self, self.w.names.get(id(module), ""))
+        return probe
+
+    def receiver(self, name: str, low: bool) -> _GradReceiver:
+        """The gradient receiver of one (module, dtype), made once and reused every step (no closure per tensor
+        per step); the step's handles are removed when the step closes, so a receiver never sees a closed step's
+        gradients."""
+        receive = self._receivers.get((name, low))
+        if receive is None:
+            receive = self._receivers[(name, low)] = _GradReceiver(self, name, low)
+        return receive
+
+    @uninterrupted
+    def grad_hook(self, t: torch.Tensor, name: str) -> None:
+        """A gradient hook on ``t`` whose (lo, hi) goes to the current step (on ``t``'s autograd node: cheap)."""
+        receive = self.receiver(name, t.dtype == self.w.low)
+        self.w.cur.tensor_handles.append(hang_grad_hook(t, receive, receive.node0))
+
+
+class _ModuleProbe:
+    """The forward hook of one module: its floating outputs' (lo, hi) into the current step, and gradient hooks
+    on them on sampled steps. Made once per module; nothing is allocated per call but the measured pair."""
+
+    __slots__ = ("hooks", "w", "name", "low", "other")
+
+    def __init__(self, hooks: WatchHooks, name: str) -> None:
+        self.hooks, self.w, self.name = hooks, hooks.w, name
+        self.low: Optional[_GradReceiver] = None  # the gradient receivers, made when first needed
+        self.other: Optional[_GradReceiver] = None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        hooks = self.hooks
         # a watched root forward; else a training forward that calls the module directly, or a checkpoint
         # recomputing its region in the training backward; never an evaluation forward or ampdoctor's own pass
-        if not self.open:
+        if not hooks.open:
             if recomputing():
                 if diagnosing():
                     return
             elif not torch.is_grad_enabled() or diagnosing(thorough=False):
                 return
+        if not self.name:
+            return  # the root: recorded by root_post
         try:
-            name = w.names.get(id(module), "")
-            if not name:
-                return  # the root: recorded by root_post
             if type(output) is torch.Tensor:  # the common case, without walking
-                self._module_tensor(name, output)
+                self._tensor(output)
             else:
                 for _, t in iter_tensors(output, "out"):
-                    self._module_tensor(name, t)
+                    self._tensor(t)
         except Exception as exc:
-            w.fail(exc)
+            self.w.fail(exc)
 
-    def _module_tensor(self, name: str, t: torch.Tensor) -> None:
+    def _tensor(self, t: torch.Tensor) -> None:
         if not t.is_floating_point() or t.numel() == 0:
             return
         w = self.w
-        w.cur.collector.pair("out", name, t.detach(), t.dtype == w.low)
-        if t.requires_grad and self.grads_on:
-            self.grad_hook(t, name)
+        low = t.dtype == w.low
+        cur = w.cur
+        cur.collector.pair("out", self.name, t.detach(), low)
+        if t.requires_grad and self.hooks.grads_on:
+            receive = self.low if low else self.other
+            if receive is None:
+                receive = self.hooks.receiver(self.name, low)
+                if low:
+                    self.low = receive
+                else:
+                    self.other = receive
+            _hang(cur.tensor_handles, t, receive)
 
-    @uninterrupted
-    def grad_hook(self, t: torch.Tensor, name: str) -> None:
-        """A gradient hook on ``t`` whose (lo, hi) goes to the current step. The receiver of each (module, dtype) is
-        made once and reused every step (no closure per tensor per step); the step's handles are removed when the
-        step closes, so a receiver never sees a closed step's gradients."""
-        key = (name, t.dtype == self.w.low)
-        receive = self._receivers.get(key)
-        if receive is None:
-            receive = self._receivers[key] = _GradReceiver(self, *key)
-        handle = t.register_hook(receive) if t._base is None else register_grad_hook(t, receive)[0]
-        self.w.cur.tensor_handles.append(handle)
+
+@uninterrupted
+def _hang(handles: list[Any], t: torch.Tensor, receive: _GradReceiver) -> None:
+    handles.append(hang_grad_hook(t, receive, receive.node0))
 
 
 class _GradReceiver:
     """Records the (lo, hi) of one module's output gradients in the watch's current step."""
 
-    __slots__ = ("hooks", "w", "name", "low")
+    __slots__ = ("hooks", "w", "name", "low", "node0")
 
     def __init__(self, hooks: WatchHooks, name: str, low: bool) -> None:
         self.hooks = hooks
         self.w = hooks.w
         self.name = name
         self.low = low
+        self.node0 = NodeHook(self, 0)
 
     def __call__(self, g: torch.Tensor) -> None:
         try:
