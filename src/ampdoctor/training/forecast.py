@@ -86,6 +86,9 @@ class Forecast:
 
     def text(self) -> str:
         name = self.module or "<root>"
+        if ":" in name:  # an op inside a module (.optrack): "attn:matmul#0"
+            module, op = name.rsplit(":", 1)
+            name = f"op {op} in {module}"
         return (
             f"forecast: {name} is heading for a {self.dtype} overflow: {self.headroom_bits:.1f} bits of headroom at "
             f"step {self.step}, losing {self.rate:.2f} bits/step, about {self.steps_left:.0f} steps left (near step "

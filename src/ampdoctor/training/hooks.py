@@ -26,9 +26,10 @@ from ..capture.hooks import register_grad_hook
 from ..capture.walk import iter_tensors
 from .compiled import CompiledStats, RootTap, is_compiled
 from .fastpath import NodeHook, hang_grad_hook
+from .optrack import OpTracker
 from .quiet import diagnosing, recomputing
 from .readback import MicroBatch, loss_value
-from .replay_step import own_loss
+from .replay_step import Capture, own_loss
 
 if TYPE_CHECKING:
     from .runtime import Watch
@@ -55,6 +56,8 @@ class WatchHooks:
         self.count_underflow = False  # sampled steps: count small gradient values too (a sink wants the share)
         self._receivers: dict[tuple[str, bool], _GradReceiver] = {}
         self._probes: dict[int, _ModuleProbe] = {}  # per module: its forward hook, made once (no closure per step)
+        self._captures_seen = 0
+        self.ops = OpTracker(watch.root, watch.names, self._measure_op, lambda: self.open)  # per-op trends
 
     # -- installing -----------------------------------------------------------------------------------------
     @uninterrupted
@@ -91,6 +94,19 @@ class WatchHooks:
                     for name in self.tracked if name in modules
                 ]
 
+    def looked(self, tracked: Optional[list[str]], seen: dict[str, float], captures: list[Capture]) -> None:
+        """After a step's forecast: the tracked modules (``tracked``: a new list, or None) and the followed ops (from
+        a surveyed step's maxima ``seen``, and the hidden overflows of captures not seen before) for the next."""
+        if self.compiled is not None:
+            return
+        if tracked is not None:
+            self.track(tracked)
+        if self.ops.surveyed:
+            self.ops.flag_from_survey(seen)
+        for capture in captures[self._captures_seen :]:
+            self.ops.flag_ops([(o.module, o.op, o.occurrence) for o in capture.report.trace.op_overflows])
+        self._captures_seen = len(captures)
+
     def track(self, names: list[str]) -> None:
         """Hook these modules on unsampled steps from the next one on (the forecast's watchlist)."""
         if names != self.tracked:
@@ -114,8 +130,12 @@ class WatchHooks:
             handle.remove()
         self.probes.clear()
 
+    def _measure_op(self, key: str, t: torch.Tensor) -> None:
+        self.w.cur.collector.pair("op", key, t, t.dtype == self.w.low)
+
     @uninterrupted
     def remove(self) -> None:
+        self.ops.close()
         self.remove_modules()
         self.remove_tracked()
         self.remove_probes()
@@ -148,6 +168,8 @@ class WatchHooks:
             self.open = True
             if self.compiled is not None:
                 self.compiled.on = self.grads_on
+            elif self.grads_on and self.ops.survey is None and self.ops.survey_due(w._step):
+                self.ops.start_survey(w._step)
         except Exception as exc:  # never raise inside the user's forward
             w.fail(exc)
 
@@ -157,6 +179,7 @@ class WatchHooks:
             return
         self.open = False
         self.remove_probes()
+        self.ops.end_survey()
         if self.compiled is not None:
             self.compiled.on = False
         try:

@@ -24,6 +24,7 @@ import torch
 from ..capture.dtypes import dtype_name
 from ..capture.stats import format_limits
 from .forecast import Forecast, Forecaster
+from .optrack import is_op_key
 from .readback import Pair, bad_pair
 from .sinks import PREFIX, Sink, Value, make_sink
 
@@ -60,6 +61,7 @@ class Lookout:
         self.dense_until = -1
         self.skipped = 0
         self.texts: list[str] = []  # the forecast warnings, for the report
+        self.seen: dict[str, float] = {}  # the last step's |x|max per module (and per followed op)
 
     def _forecaster(self, low: Optional[torch.dtype]) -> Forecaster:
         if self.forecaster is None:
@@ -73,7 +75,7 @@ class Lookout:
     ) -> Optional[list[str]]:
         """Fold one step in. Returns the new tracked-module list on a sampled step (else None)."""
         f = self._forecaster(low)
-        seen = maxima(pairs)
+        seen = self.seen = maxima(pairs)
         forecast = f.observe(step, seen)
         if forecast is not None:
             self._warn(forecast)
@@ -83,7 +85,7 @@ class Lookout:
         if self.sink is not None:
             self._log(step, scale, underflow, forecast)
         if sampled:
-            return f.tightest(TRACKED_MODULES, [m for m in seen if m])
+            return f.tightest(TRACKED_MODULES, [m for m in seen if m and not is_op_key(m)])
         return None
 
     def _warn(self, forecast: Forecast) -> None:

@@ -24,7 +24,7 @@ from ..records import FrozenMap, StepRecord
 from .fastpath import Slabs
 
 # What a (lo, hi) pair of the collector measures: a root output, a module output, or an output's gradient.
-PairKind = Literal["root", "out", "grad"]
+PairKind = Literal["root", "out", "grad", "op"]  # "op": an op inside a module (.optrack), module "<module>:<op>#<n>"
 
 
 @dataclass
@@ -276,6 +276,8 @@ def step_record(
     bad_grad: list[str] = []
     if sampled:
         for kind, module, lo, hi, low in pairs:  # a "root" pair is the root's output (module "")
+            if kind == "op":
+                continue  # op trends are the forecast's (.optrack), not the step record's
             maxima, bad = (grad_max, bad_grad) if kind == "grad" else (out_max, bad_out)
             if bad_pair(lo, hi):
                 if module not in bad:

@@ -318,6 +318,7 @@ class Watch:
         self.cur.remove_hooks()
         self.cur = StepState.on(self._slabs)
         self.hooks.open = False
+        self.hooks.ops.end_survey()
 
     def _end_step(self, before: Any, after: Any, found: list[torch.Tensor]) -> None:
         """One read-back, then the step's record, run bookkeeping, captures and the bundle. Never raises."""
@@ -357,8 +358,7 @@ class Watch:
         tracked = self._lookout.after_step(
             record.step, sampled, cur.pairs, self.low, record.new_scale, record.skipped, underflow
         )
-        if tracked is not None and self.hooks.compiled is None:
-            self.hooks.track(tracked)
+        self.hooks.looked(tracked, self._lookout.seen, self._failures.captures)
 
     def _read(
         self, cur: StepState, step: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor]
