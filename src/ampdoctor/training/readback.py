@@ -274,21 +274,28 @@ def step_record(
     grad_max: dict[str, float] = {}
     bad_out: list[str] = []
     bad_grad: list[str] = []
-    if sampled:
+    if sampled:  # one plain loop over every pair of the step: no call per pair
+        inf, before = math.inf, scales.before
         for kind, module, lo, hi, low in pairs:  # a "root" pair is the root's output (module "")
             if kind == "op":
                 continue  # op trends are the forecast's (.optrack), not the step record's
-            maxima, bad = (grad_max, bad_grad) if kind == "grad" else (out_max, bad_out)
-            if bad_pair(lo, hi):
+            if lo != lo or hi != hi or hi == inf:  # bad_pair, inline: NaN, or +inf (a -inf alone is a mask)
+                bad = bad_grad if kind == "grad" else bad_out
                 if module not in bad:
                     bad.append(module)
                 continue
             if not low:
                 continue  # only tensors in the low-precision format can overflow it
-            value = max(abs(hi), abs(lo) if math.isfinite(lo) else 0.0)  # -inf masks: the finite side
-            if kind == "grad" and scales.before:
-                value /= scales.before  # gradients are stored unscaled, like everywhere else
-            maxima[module] = max(maxima.get(module, 0.0), value)
+            value = hi if hi >= 0 else -hi
+            if lo != -inf and -lo > value:  # -inf masks: the finite side
+                value = -lo
+            if kind == "grad":
+                if before:
+                    value /= before  # gradients are stored unscaled, like everywhere else
+                if value > grad_max.get(module, -1.0):
+                    grad_max[module] = value
+            elif value > out_max.get(module, -1.0):
+                out_max[module] = value
     record = StepRecord(
         step=step,
         scale=scales.before,
