@@ -85,11 +85,14 @@ class Slabs:
         return [(slab.block(), slab.ats) for slab in self._by_key.values() if slab.used]
 
 
-def hang_grad_hook(t: torch.Tensor, receive: Callable[[torch.Tensor], None], first: Optional[NodeHook] = None) -> Any:
+def hang_grad_hook(
+    t: torch.Tensor, receive: Callable[[torch.Tensor], None],
+    first: Optional[Callable[[tuple[Optional[torch.Tensor], ...]], None]] = None,
+) -> Any:
     """A gradient hook on ``t`` that calls ``receive(gradient of t)``; returns its handle. On the autograd node
     that made ``t`` when ``t`` is no view (cheap), else as :func:`~ampdoctor.capture.hooks.register_grad_hook`.
-    ``first``: a ``NodeHook(receive, 0)`` made once by the caller (a node's first output is the common case: no
-    object per call)."""
+    ``first``: a node pre-hook like ``NodeHook(receive, 0)``, made once by the caller (a node's first output is
+    the common case: no object per call)."""
     node = t.grad_fn
     if node is None or t._base is not None:
         return register_grad_hook(t, receive)[0]

@@ -25,7 +25,7 @@ from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
 from ..capture.walk import iter_tensors
 from .compiled import CompiledStats, RootTap, is_compiled
-from .fastpath import NodeHook, hang_grad_hook
+from .fastpath import hang_grad_hook
 from .optrack import OpTracker
 from .quiet import diagnosing, recomputing
 from .readback import MicroBatch, loss_value
@@ -307,7 +307,11 @@ class _ModuleProbe:
 
 @uninterrupted
 def _hang(handles: list[Any], t: torch.Tensor, receive: _GradReceiver) -> None:
-    handles.append(hang_grad_hook(t, receive, receive.node0))
+    node = t.grad_fn
+    if node is not None and t._base is None and t.output_nr == 0:  # hang_grad_hook's common case, inline
+        handles.append(node.register_prehook(receive.node0))
+    else:
+        handles.append(hang_grad_hook(t, receive, receive.node0))
 
 
 class _GradReceiver:
@@ -320,7 +324,14 @@ class _GradReceiver:
         self.w = hooks.w
         self.name = name
         self.low = low
-        self.node0 = NodeHook(self, 0)
+        self.node0 = self.first  # the node pre-hook of a node's first output, made once
+
+    def first(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
+        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does, one call
+        less)."""
+        g = grads[0] if grads else None
+        if g is not None:
+            self(g)
 
     def __call__(self, g: torch.Tensor) -> None:
         try:
