@@ -197,6 +197,12 @@ def measure_watch(layers: int, rounds: int, steps: int) -> dict[str, Any]:
     return watch_overhead.measure(case, rounds, steps, warmup=3, amp=True)  # type: ignore[no-any-return]
 
 
+def _watch_ratio(w: dict[str, Any], mode: str) -> str:
+    """The median per-round ratio and its interquartile range (``watch_overhead.measure``)."""
+    lo, hi = w["ratio_iqr"][mode]
+    return f"{w['ratio'][mode]:.3f}× [{lo:.3f}–{hi:.3f}]"
+
+
 # -- encoder ----------------------------------------------------------------------------------------------------
 
 
@@ -355,9 +361,9 @@ def report(results: dict[str, Any]) -> None:
             best = w["best_s"]
             print(f"| watch, {layers}-layer narrow MLP, statistics every step (plain {best['plain'] * 1e3:.1f} ms, "
                   f"{(best['watch_every'] - best['plain']) * 1e6 / (2 * layers + 1):.0f} µs per module) | "
-                  f"{w['ratio']['watch_every']:.3f}× | ≤ {GATES['watch_every']} | "
+                  f"{_watch_ratio(w, 'watch_every')} | ≤ {GATES['watch_every']} | "
                   f"{_gate(w['ratio']['watch_every'], GATES['watch_every'])} |")
-            print(f"| watch, {layers}-layer narrow MLP, defaults | {w['ratio']['watch']:.3f}× | ≤ {GATES['watch']} | "
+            print(f"| watch, {layers}-layer narrow MLP, defaults | {_watch_ratio(w, 'watch')} | ≤ {GATES['watch']} | "
                   f"{_gate(w['ratio']['watch'], GATES['watch'])} |")
     e = results.get("encoder")
     if e:
@@ -411,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["tenk"] = measure_tenk(repeats, not args.no_memory)
         elif part == "watch":
             for layers in (50, 200):
-                results[f"watch{layers}"] = measure_watch(layers, 2 if args.quick else 5, 3 if args.quick else 10)
+                results[f"watch{layers}"] = measure_watch(layers, 2 if args.quick else 15, 3 if args.quick else 6)
         elif part == "encoder":
             results["encoder"] = measure_encoder(repeats, 8 if args.quick else 1)
         elif part == "first":

@@ -86,6 +86,9 @@ class Forecast:
 
     def text(self) -> str:
         name = self.module or "<root>"
+        if ":" in name:  # an op inside a module (.optrack): "attn:matmul#0"
+            module, op = name.rsplit(":", 1)
+            name = f"op {op} in {module}"
         return (
             f"forecast: {name} is heading for a {self.dtype} overflow: {self.headroom_bits:.1f} bits of headroom at "
             f"step {self.step}, losing {self.rate:.2f} bits/step, about {self.steps_left:.0f} steps left (near step "
@@ -162,10 +165,11 @@ class Forecaster:
         """One check: each module's |x|max at ``step`` (in completion order). Returns a forecast to warn about
         (new, or materially changed), else None."""
         checked = []
+        format_max, log2, inf = self.format_max, math.log2, math.inf
         for module, value in maxima.items():
-            bits = headroom(value, self.format_max)
-            if bits is None:
+            if not 0 < value < inf:  # headroom(), inline: a zero or non-finite maximum has none
                 continue
+            bits = log2(format_max / value)
             if module not in self.series:
                 self.series[module] = deque(maxlen=WINDOW)
                 self.order[module] = len(self.order)

@@ -25,9 +25,11 @@ from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
 from ..capture.walk import iter_tensors
 from .compiled import CompiledStats, RootTap, is_compiled
+from .fastpath import hang_grad_hook
+from .optrack import OpTracker
 from .quiet import diagnosing, recomputing
 from .readback import MicroBatch, loss_value
-from .replay_step import own_loss
+from .replay_step import Capture, own_loss
 
 if TYPE_CHECKING:
     from .runtime import Watch
@@ -53,6 +55,9 @@ class WatchHooks:
         self.tracked_handles: list[Any] = []
         self.count_underflow = False  # sampled steps: count small gradient values too (a sink wants the share)
         self._receivers: dict[tuple[str, bool], _GradReceiver] = {}
+        self._probes: dict[int, _ModuleProbe] = {}  # per module: its forward hook, made once (no closure per step)
+        self._captures_seen = 0
+        self.ops = OpTracker(watch.root, watch.names, self._measure_op, lambda: self.open)  # per-op trends
 
     # -- installing -----------------------------------------------------------------------------------------
     @uninterrupted
@@ -78,15 +83,29 @@ class WatchHooks:
             self.remove_tracked()
             for module in self.w.root.modules():
                 if module is not self.w.root:
-                    self.module_handles.append(module.register_forward_hook(self.module_post))
+                    self.module_handles.append(module.register_forward_hook(self.probe(module)))
         elif not on:
             if self.module_handles:
                 self.remove_modules()
             if self.tracked and not self.tracked_handles:
                 modules = dict(self.w.root.named_modules())
                 self.tracked_handles = [
-                    modules[name].register_forward_hook(self.module_post) for name in self.tracked if name in modules
+                    modules[name].register_forward_hook(self.probe(modules[name]))
+                    for name in self.tracked if name in modules
                 ]
+
+    def looked(self, tracked: Optional[list[str]], seen: dict[str, float], captures: list[Capture]) -> None:
+        """After a step's forecast: the tracked modules (``tracked``: a new list, or None) and the followed ops (from
+        a surveyed step's maxima ``seen``, and the hidden overflows of captures not seen before) for the next."""
+        if self.compiled is not None:
+            return
+        if tracked is not None:
+            self.track(tracked)
+        if self.ops.surveyed:
+            self.ops.flag_from_survey(seen)
+        for capture in captures[self._captures_seen :]:
+            self.ops.flag_ops([(o.module, o.op, o.occurrence) for o in capture.report.trace.op_overflows])
+        self._captures_seen = len(captures)
 
     def track(self, names: list[str]) -> None:
         """Hook these modules on unsampled steps from the next one on (the forecast's watchlist)."""
@@ -111,8 +130,12 @@ class WatchHooks:
             handle.remove()
         self.probes.clear()
 
+    def _measure_op(self, key: str, t: torch.Tensor) -> None:
+        self.w.cur.collector.pair("op", key, t, t.dtype == self.w.low)
+
     @uninterrupted
     def remove(self) -> None:
+        self.ops.close()
         self.remove_modules()
         self.remove_tracked()
         self.remove_probes()
@@ -145,6 +168,8 @@ class WatchHooks:
             self.open = True
             if self.compiled is not None:
                 self.compiled.on = self.grads_on
+            elif self.grads_on and self.ops.survey is None and self.ops.survey_due(w._step):
+                self.ops.start_survey(w._step)
         except Exception as exc:  # never raise inside the user's forward
             w.fail(exc)
 
@@ -154,6 +179,7 @@ class WatchHooks:
             return
         self.open = False
         self.remove_probes()
+        self.ops.end_survey()
         if self.compiled is not None:
             self.compiled.on = False
         try:
@@ -206,59 +232,106 @@ class WatchHooks:
         cur.tensor_handles.append(register_grad_hook(t, receive)[0])
 
     # -- modules (eager, sampled steps) ---------------------------------------------------------------------
-    def module_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        w = self.w
+    def probe(self, module: nn.Module) -> _ModuleProbe:
+        """The forward hook of ``module`` (one per module, kept for the watch's life)."""
+        probe = self._probes.get(id(module))
+        if probe is None:
+            probe = self._probes[id(module)] = _ModuleProbe(self, self.w.names.get(id(module), ""))
+        return probe
+
+    def receiver(self, name: str, low: bool) -> _GradReceiver:
+        """The gradient receiver of one (module, dtype), made once and reused every step (no closure per tensor
+        per step); the step's handles are removed when the step closes, so a receiver never sees a closed step's
+        gradients."""
+        receive = self._receivers.get((name, low))
+        if receive is None:
+            receive = self._receivers[(name, low)] = _GradReceiver(self, name, low)
+        return receive
+
+    @uninterrupted
+    def grad_hook(self, t: torch.Tensor, name: str) -> None:
+        """A gradient hook on ``t`` whose (lo, hi) goes to the current step (on ``t``'s autograd node: cheap)."""
+        receive = self.receiver(name, t.dtype == self.w.low)
+        self.w.cur.tensor_handles.append(hang_grad_hook(t, receive, receive.node0))
+
+
+class _ModuleProbe:
+    """The forward hook of one module: its floating outputs' (lo, hi) into the current step, and gradient hooks
+    on them on sampled steps. Made once per module; nothing is allocated per call but the measured pair."""
+
+    __slots__ = ("hooks", "w", "name", "low", "other")
+
+    def __init__(self, hooks: WatchHooks, name: str) -> None:
+        self.hooks, self.w, self.name = hooks, hooks.w, name
+        self.low: Optional[_GradReceiver] = None  # the gradient receivers, made when first needed
+        self.other: Optional[_GradReceiver] = None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        hooks = self.hooks
         # a watched root forward; else a training forward that calls the module directly, or a checkpoint
         # recomputing its region in the training backward; never an evaluation forward or ampdoctor's own pass
-        if not self.open:
+        if not hooks.open:
             if recomputing():
                 if diagnosing():
                     return
             elif not torch.is_grad_enabled() or diagnosing(thorough=False):
                 return
+        if not self.name:
+            return  # the root: recorded by root_post
         try:
-            name = w.names.get(id(module), "")
-            if not name:
-                return  # the root: recorded by root_post
             if type(output) is torch.Tensor:  # the common case, without walking
-                self._module_tensor(name, output)
+                self._tensor(output)
             else:
                 for _, t in iter_tensors(output, "out"):
-                    self._module_tensor(name, t)
+                    self._tensor(t)
         except Exception as exc:
-            w.fail(exc)
+            self.w.fail(exc)
 
-    def _module_tensor(self, name: str, t: torch.Tensor) -> None:
+    def _tensor(self, t: torch.Tensor) -> None:
         if not t.is_floating_point() or t.numel() == 0:
             return
         w = self.w
-        w.cur.collector.pair("out", name, t.detach(), t.dtype == w.low)
-        if t.requires_grad and self.grads_on:
-            self.grad_hook(t, name)
+        low = t.dtype == w.low
+        cur = w.cur
+        cur.collector.pair("out", self.name, t.detach(), low)
+        if t.requires_grad and self.hooks.grads_on:
+            receive = self.low if low else self.other
+            if receive is None:
+                receive = self.hooks.receiver(self.name, low)
+                if low:
+                    self.low = receive
+                else:
+                    self.other = receive
+            _hang(cur.tensor_handles, t, receive)
 
-    @uninterrupted
-    def grad_hook(self, t: torch.Tensor, name: str) -> None:
-        """A gradient hook on ``t`` whose (lo, hi) goes to the current step. The receiver of each (module, dtype) is
-        made once and reused every step (no closure per tensor per step); the step's handles are removed when the
-        step closes, so a receiver never sees a closed step's gradients."""
-        key = (name, t.dtype == self.w.low)
-        receive = self._receivers.get(key)
-        if receive is None:
-            receive = self._receivers[key] = _GradReceiver(self, *key)
-        handle = t.register_hook(receive) if t._base is None else register_grad_hook(t, receive)[0]
-        self.w.cur.tensor_handles.append(handle)
+
+@uninterrupted
+def _hang(handles: list[Any], t: torch.Tensor, receive: _GradReceiver) -> None:
+    node = t.grad_fn
+    if node is not None and t._base is None and t.output_nr == 0:  # hang_grad_hook's common case, inline
+        handles.append(node.register_prehook(receive.node0))
+    else:
+        handles.append(hang_grad_hook(t, receive, receive.node0))
 
 
 class _GradReceiver:
     """Records the (lo, hi) of one module's output gradients in the watch's current step."""
 
-    __slots__ = ("hooks", "w", "name", "low")
+    __slots__ = ("hooks", "w", "name", "low", "node0")
 
     def __init__(self, hooks: WatchHooks, name: str, low: bool) -> None:
         self.hooks = hooks
         self.w = hooks.w
         self.name = name
         self.low = low
+        self.node0 = self.first  # the node pre-hook of a node's first output, made once
+
+    def first(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
+        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does, one call
+        less)."""
+        g = grads[0] if grads else None
+        if g is not None:
+            self(g)
 
     def __call__(self, g: torch.Tensor) -> None:
         try:

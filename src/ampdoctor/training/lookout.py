@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -24,12 +25,14 @@ import torch
 from ..capture.dtypes import dtype_name
 from ..capture.stats import format_limits
 from .forecast import Forecast, Forecaster
+from .optrack import is_op_key
 from .readback import Pair, bad_pair
 from .sinks import PREFIX, Sink, Value, make_sink
 
 log = logging.getLogger("ampdoctor")
 
-# Modules hooked on every step (the tightest of the last sampled step), and the headroom scalars logged.
+# Modules hooked on every step (the tightest of the last sampled step, one per distinct |x|max), and the
+# headroom scalars logged.
 TRACKED_MODULES = 4
 # Steps sampled after a significant upward trend of the root output or a tracked module.
 DENSE_STEPS_ON_TREND = 24
@@ -60,6 +63,7 @@ class Lookout:
         self.dense_until = -1
         self.skipped = 0
         self.texts: list[str] = []  # the forecast warnings, for the report
+        self.seen: dict[str, float] = {}  # the last step's |x|max per module (and per followed op)
 
     def _forecaster(self, low: Optional[torch.dtype]) -> Forecaster:
         if self.forecaster is None:
@@ -69,11 +73,17 @@ class Lookout:
 
     def after_step(
         self, step: int, sampled: bool, pairs: list[Pair], low: Optional[torch.dtype], scale: Optional[float],
-        skipped: bool, underflow: Optional[float],
+        skipped: bool, underflow: Optional[float], out_max: Optional[Mapping[str, float]] = None,
     ) -> Optional[list[str]]:
-        """Fold one step in. Returns the new tracked-module list on a sampled step (else None)."""
+        """Fold one step in (``out_max``: the step record's output maxima, when it has them: :func:`maxima` of its
+        module pairs). Returns the new tracked-module list on a sampled step (else None)."""
         f = self._forecaster(low)
-        seen = maxima(pairs)
+        if out_max is not None:  # the step record's maxima already: only the ops' are left to add
+            seen = dict(out_max)
+            seen.update(maxima([p for p in pairs if p[0] == "op"]))
+        else:
+            seen = maxima(pairs)
+        self.seen = seen
         forecast = f.observe(step, seen)
         if forecast is not None:
             self._warn(forecast)
@@ -83,7 +93,13 @@ class Lookout:
         if self.sink is not None:
             self._log(step, scale, underflow, forecast)
         if sampled:
-            return f.tightest(TRACKED_MODULES, [m for m in seen if m])
+            # one module per value: a container returning its last child's output, or an in-place ReLU handing
+            # back its input, measures the very same tensor again (children complete first and are kept)
+            distinct: dict[float, str] = {}
+            for m, value in seen.items():
+                if m and not is_op_key(m):
+                    distinct.setdefault(value, m)
+            return f.tightest(TRACKED_MODULES, list(distinct.values()))
         return None
 
     def _warn(self, forecast: Forecast) -> None:

@@ -25,6 +25,8 @@ import torch
 
 # Modules whose frames on the stack mean a diagnosis is running (the watch's own modules are not among them).
 _DIAGNOSIS_MODULES = ("ampdoctor.api", "ampdoctor.capture.", "ampdoctor.fixes.")
+# Modes of these modules are a watch's own (the per-op survey and taps), never a diagnosis.
+_WATCH_MODULES = "ampdoctor.training."
 # Frames looked at, from the innermost one (a hook fires a few frames below the model's forward).
 _MAX_FRAMES = 200
 
@@ -42,8 +44,12 @@ def own_capture() -> Iterator[None]:
 
 
 def _ampdoctor_mode_active() -> bool:
+    """A diagnosis's mode is on the stack (a watch's own op survey and taps, :mod:`.optrack`, are not one)."""
     stack = torch.overrides._get_current_function_mode_stack()
-    return any(type(mode).__module__.startswith("ampdoctor.") for mode in stack)
+    return any(
+        type(mode).__module__.startswith("ampdoctor.") and not type(mode).__module__.startswith(_WATCH_MODULES)
+        for mode in stack
+    )
 
 
 def _diagnosis_on_stack() -> bool:

@@ -21,9 +21,10 @@ from ..capture.cleanup import uninterrupted
 from ..capture.state import RngState
 from ..capture.walk import iter_tensors
 from ..records import FrozenMap, StepRecord
+from .fastpath import Slabs
 
 # What a (lo, hi) pair of the collector measures: a root output, a module output, or an output's gradient.
-PairKind = Literal["root", "out", "grad"]
+PairKind = Literal["root", "out", "grad", "op"]  # "op": an op inside a module (.optrack), module "<module>:<op>#<n>"
 
 
 @dataclass
@@ -75,11 +76,14 @@ Pair = tuple[PairKind, str, float, float, bool]
 
 
 class Collector:
-    """Device tensors of one step (0-d values, and 1-D blocks such as a compiled model's statistics buffer), with
-    what each one is; read back in one transfer per device."""
+    """What one step measured, read back in one transfer per device: (lo, hi) pairs written into the watch's
+    preallocated :class:`~.fastpath.Slabs` (no tensor per pair), and other device values (0-d, or 1-D blocks such
+    as a compiled model's statistics buffer), with what each one is."""
 
-    def __init__(self) -> None:
+    def __init__(self, slabs: Optional[Slabs] = None) -> None:
+        self.slabs = slabs if slabs is not None else Slabs()
         self.values: list[torch.Tensor] = []  # 0-d, or 1-D blocks (each spans block.numel() numbers)
+        self._starts: list[int] = []  # index of each value's first number
         # Per pair, in parallel lists: index of lo, kind, module, low dtype. Flat lists of ints, strings and bools
         # make no object the garbage collector tracks: with statistics every step, a tuple per tensor made
         # collections of the whole heap a measurable share of the step.
@@ -87,22 +91,21 @@ class Collector:
         self._kinds: list[PairKind] = []
         self._modules: list[str] = []
         self._lows: list[bool] = []
-        self.size = 0  # numbers in all values
+        self.size = 0  # numbers in all values and pairs
         self.small: list[tuple[int, int]] = []  # (index of [zeros, below tiny], numel) of low-precision gradients
 
     def add(self, value: torch.Tensor) -> int:
         """A 0-d value, or a 1-D block; returns the index of its (first) number."""
-        self.values.append(value)
         index = self.size
-        self.size += value.numel()
+        self.values.append(value)
+        self._starts.append(index)
+        self.size = index + value.numel()
         return index
 
     def pair(self, kind: PairKind, module: str, t: torch.Tensor, low: bool) -> int:
-        lo, hi = torch.aminmax(t)  # one pass; NaN and inf show up in the result
-        values = self.values
-        values.append(lo)
-        values.append(hi)
+        """The (lo, hi) of ``t`` (detached), one pass on the device; returns the index of lo (hi follows)."""
         index = self.size
+        self.slabs.put(self, t, index)
         self.size = index + 2
         self._at.append(index)
         self._kinds.append(kind)
@@ -130,30 +133,31 @@ class Collector:
         ]
 
     def read(self) -> list[float]:
-        """Every number as a Python float: one ``stack`` of the 0-d values (mixed float16/bfloat16/float32 promote
-        there, exactly), one ``cat`` with the blocks and one ``tolist`` per device."""
-        if not self.values:
+        """Every number as a Python float: per device one ``cat`` of the slabs' used rows and the other values
+        (float16/bfloat16/float32 promote to float64 there, exactly) and one ``tolist``."""
+        if not self.size:
             return []
-        starts, at = [], 0
-        for v in self.values:
-            starts.append(at)
-            at += v.numel()
-        numbers: list[float] = [math.nan] * at
-        by_device: dict[torch.device, list[int]] = {}
-        for i, v in enumerate(self.values):
-            by_device.setdefault(v.device, []).append(i)
-        for positions in by_device.values():  # one device, unless the model is split across devices
-            scalars = [i for i in positions if self.values[i].dim() == 0]
-            blocks = [i for i in positions if self.values[i].dim() != 0]
-            parts = [torch.stack([self.values[i] for i in scalars])] if scalars else []
-            parts += [self.values[i].detach().reshape(-1) for i in blocks]
-            dtype = torch.promote_types(parts[0].dtype, torch.float32) if len(parts) == 1 else torch.float64
-            flat = (torch.cat([p.to(dtype) for p in parts]) if len(parts) > 1 else parts[0].to(dtype)).tolist()
+        numbers: list[float] = [math.nan] * self.size
+        by_device: dict[torch.device, list[tuple[torch.Tensor, Optional[list[int]], int]]] = {}
+        for flat_pairs, pair_ats in self.slabs.blocks(self):  # pairs: lo at each index in ats, hi right after
+            by_device.setdefault(flat_pairs.device, []).append((flat_pairs, pair_ats, 0))
+        for v, start in zip(self.values, self._starts):
+            by_device.setdefault(v.device, []).append((v.detach().reshape(-1), None, start))
+        for parts in by_device.values():  # one device, unless the model is split across devices
+            dtype = torch.promote_types(parts[0][0].dtype, torch.float32) if len(parts) == 1 else torch.float64
+            flat = torch.cat([p.to(dtype) for p, _, _ in parts]).tolist() if len(parts) > 1 else (
+                parts[0][0].to(dtype).tolist())
             k = 0
-            for i in scalars + blocks:
-                n = self.values[i].numel()
-                numbers[starts[i] : starts[i] + n] = flat[k : k + n]
-                k += n
+            for block, ats, start in parts:
+                if ats is not None:
+                    for at in ats:
+                        numbers[at] = flat[k]
+                        numbers[at + 1] = flat[k + 1]
+                        k += 2
+                else:
+                    n = block.numel()
+                    numbers[start : start + n] = flat[k : k + n]
+                    k += n
         return numbers
 
 
@@ -170,6 +174,11 @@ class StepState:
     tensor_handles: list[Any] = field(default_factory=list)
     pairs: list[Pair] = field(default_factory=list)  # after the read-back: every measured pair (the forecast's)
     numbers: list[float] = field(default_factory=list)  # after the read-back: every number read
+
+    @classmethod
+    def on(cls, slabs: Slabs) -> StepState:
+        """A new step whose pairs go into the watch's ``slabs``."""
+        return cls(collector=Collector(slabs))
 
     @uninterrupted
     def remove_hooks(self) -> None:
@@ -265,19 +274,28 @@ def step_record(
     grad_max: dict[str, float] = {}
     bad_out: list[str] = []
     bad_grad: list[str] = []
-    if sampled:
+    if sampled:  # one plain loop over every pair of the step: no call per pair
+        inf, before = math.inf, scales.before
         for kind, module, lo, hi, low in pairs:  # a "root" pair is the root's output (module "")
-            maxima, bad = (grad_max, bad_grad) if kind == "grad" else (out_max, bad_out)
-            if bad_pair(lo, hi):
+            if kind == "op":
+                continue  # op trends are the forecast's (.optrack), not the step record's
+            if lo != lo or hi != hi or hi == inf:  # bad_pair, inline: NaN, or +inf (a -inf alone is a mask)
+                bad = bad_grad if kind == "grad" else bad_out
                 if module not in bad:
                     bad.append(module)
                 continue
             if not low:
                 continue  # only tensors in the low-precision format can overflow it
-            value = max(abs(hi), abs(lo) if math.isfinite(lo) else 0.0)  # -inf masks: the finite side
-            if kind == "grad" and scales.before:
-                value /= scales.before  # gradients are stored unscaled, like everywhere else
-            maxima[module] = max(maxima.get(module, 0.0), value)
+            value = hi if hi >= 0 else -hi
+            if lo != -inf and -lo > value:  # -inf masks: the finite side
+                value = -lo
+            if kind == "grad":
+                if before:
+                    value /= before  # gradients are stored unscaled, like everywhere else
+                if value > grad_max.get(module, -1.0):
+                    grad_max[module] = value
+            elif value > out_max.get(module, -1.0):
+                out_max[module] = value
     record = StepRecord(
         step=step,
         scale=scales.before,

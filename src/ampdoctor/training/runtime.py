@@ -52,6 +52,7 @@ from .bundle import PathLike
 from .compiled import COMPILED_NOTE, NO_STATS_NOTE
 from .compose import RankPayload, compose_report, trends
 from .failures import FailureTracker, Plan
+from .fastpath import Slabs
 from .forecast import FORECAST_HORIZON, WARN_HEADROOM_BITS
 from .hooks import MAX_MICRO_BATCHES, WatchHooks
 from .lookout import Lookout
@@ -148,7 +149,8 @@ class Watch:
         self._notes: list[str] = notes
         self.active = False
         self.targets: Any = None
-        self.cur = StepState()
+        self._slabs = Slabs()  # every step's (lo, hi) pairs, in buffers reused step after step
+        self.cur = StepState.on(self._slabs)
         self.hooks = WatchHooks(self)
         self._lookout = Lookout(options.warn_headroom_bits, options.forecast_horizon, log_to, self.rank,
                                 self.world_size)
@@ -205,7 +207,7 @@ class Watch:
             self._lookout.close()  # the sink's buffered scalars out
         except Exception as exc:
             self.fail(exc)
-        self.cur = StepState()  # no reference to the user's inputs (or targets) after the block
+        self.cur = StepState.on(self._slabs)  # no reference to the user's inputs (or targets) after the block
         self.targets = None
         self.active = False
         held, self._held = getattr(self, "_held", None), None
@@ -314,8 +316,9 @@ class Watch:
     def _drop_step(self) -> None:
         """Forget the current step (its ``update`` raised, or it was read): its hooks go, a new step starts."""
         self.cur.remove_hooks()
-        self.cur = StepState()
+        self.cur = StepState.on(self._slabs)
         self.hooks.open = False
+        self.hooks.ops.end_survey()
 
     def _end_step(self, before: Any, after: Any, found: list[torch.Tensor]) -> None:
         """One read-back, then the step's record, run bookkeeping, captures and the bundle. Never raises."""
@@ -353,10 +356,10 @@ class Watch:
         """The forecast, dense sampling, the tracked modules and ``log_to`` (:mod:`.lookout`)."""
         underflow = cur.collector.underflow_share(cur.numbers) if sampled else None
         tracked = self._lookout.after_step(
-            record.step, sampled, cur.pairs, self.low, record.new_scale, record.skipped, underflow
+            record.step, sampled, cur.pairs, self.low, record.new_scale, record.skipped, underflow,
+            record.out_abs_max if record.sampled else None,
         )
-        if tracked is not None and self.hooks.compiled is None:
-            self.hooks.track(tracked)
+        self.hooks.looked(tracked, self._lookout.seen, self._failures.captures)
 
     def _read(
         self, cur: StepState, step: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor]

@@ -1,0 +1,115 @@
+"""The watch's per-tensor hot path: no allocation per measured tensor, one host read per step.
+
+* **Slabs**: every (lo, hi) pair of a step is written by ``torch.aminmax(t, out=(lo, hi))`` straight into a row of
+  a buffer preallocated per (device, dtype), through 0-d views made once when the buffer grows. The buffers are
+  reused step after step, so a step with statistics on every module allocates no tensor per module and the
+  read-back is one ``cat`` of a few buffers (not a ``stack`` of hundreds of 0-d tensors). A step's collector
+  claims the slabs at its first pair; a step that was never read is simply overwritten.
+* **Gradient hooks** on a module output that is not a view hang on its autograd node
+  (``grad_fn.register_prehook``, the same gradient as a tensor hook: the sum over every use, and the value as it
+  was when an in-place op changes the tensor later) at a quarter of a tensor hook's cost. Views (a hook on a view
+  never fires once the view is modified in place) and leaves keep :func:`~ampdoctor.capture.hooks.register_grad_hook`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..capture.hooks import register_grad_hook
+
+# Rows added to a slab at a time (a slab grows during the first steps, then stays).
+CHUNK_ROWS = 256
+
+
+class _Slab:
+    """Rows of (lo, hi) in one dtype on one device, with their 0-d views."""
+
+    __slots__ = ("device", "dtype", "chunks", "los", "his", "used", "ats")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.chunks: list[torch.Tensor] = []
+        self.los: list[torch.Tensor] = []
+        self.his: list[torch.Tensor] = []
+        self.used = 0
+        self.ats: list[int] = []  # per used row: the index its lo takes among the step's numbers
+
+    def grow(self) -> None:
+        chunk = torch.empty(CHUNK_ROWS, 2, dtype=self.dtype, device=self.device)
+        self.chunks.append(chunk)
+        for row in chunk.unbind(0):
+            lo, hi = row.unbind(0)
+            self.los.append(lo)
+            self.his.append(hi)
+
+    def block(self) -> torch.Tensor:
+        """The used rows, flat: lo, hi, lo, hi ..."""
+        rows = self.used
+        full, rest = divmod(rows, CHUNK_ROWS)
+        parts = self.chunks[:full] + ([self.chunks[full][:rest]] if rest else [])
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return flat.reshape(-1)
+
+
+class Slabs:
+    """One watch's slabs, reused by the collector of every step (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[torch.device, torch.dtype], _Slab] = {}
+        self.owner: Optional[object] = None
+
+    def put(self, owner: object, t: torch.Tensor, at: int) -> None:
+        """Measure ``t`` (detached) into the next row; ``at`` is where its lo goes among the step's numbers."""
+        if owner is not self.owner:  # a new step's first pair: the previous step was read (or dropped)
+            self.owner = owner
+            for each in self._by_key.values():
+                each.used = 0
+                each.ats.clear()
+        key = (t.device, t.dtype)
+        slab = self._by_key.get(key)
+        if slab is None:
+            slab = self._by_key[key] = _Slab(*key)
+        i = slab.used
+        if i == len(slab.los):
+            slab.grow()
+        torch.aminmax(t, out=(slab.los[i], slab.his[i]))  # one pass; NaN and inf show up in the result
+        slab.used = i + 1
+        slab.ats.append(at)
+
+    def blocks(self, owner: object) -> list[tuple[torch.Tensor, list[int]]]:
+        """The owner's rows: per slab in use, its flat values and the index of each row's lo."""
+        if owner is not self.owner:
+            return []
+        return [(slab.block(), slab.ats) for slab in self._by_key.values() if slab.used]
+
+
+def hang_grad_hook(
+    t: torch.Tensor, receive: Callable[[torch.Tensor], None],
+    first: Optional[Callable[[tuple[Optional[torch.Tensor], ...]], None]] = None,
+) -> Any:
+    """A gradient hook on ``t`` that calls ``receive(gradient of t)``; returns its handle. On the autograd node
+    that made ``t`` when ``t`` is no view (cheap), else as :func:`~ampdoctor.capture.hooks.register_grad_hook`.
+    ``first``: a node pre-hook like ``NodeHook(receive, 0)``, made once by the caller (a node's first output is
+    the common case: no object per call)."""
+    node = t.grad_fn
+    if node is None or t._base is not None:
+        return register_grad_hook(t, receive)[0]
+    nr = t.output_nr
+    return node.register_prehook(first if nr == 0 and first is not None else NodeHook(receive, nr))
+
+
+class NodeHook:
+    """A node pre-hook that hands output ``nr``'s gradient (when there is one) to ``receive``; returns None (the
+    gradients go on unchanged)."""
+
+    __slots__ = ("receive", "nr")
+
+    def __init__(self, receive: Callable[[torch.Tensor], None], nr: int) -> None:
+        self.receive, self.nr = receive, nr
+
+    def __call__(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
+        g = grads[self.nr] if self.nr < len(grads) else None
+        if g is not None:
+            self.receive(g)
