@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -28,11 +28,26 @@ from .compiled import CompiledStats, RootTap, is_compiled
 from .fastpath import hang_grad_hook
 from .optrack import OpTracker
 from .quiet import diagnosing, recomputing
-from .readback import MicroBatch, loss_value
+from .readback import MicroBatch, StepState, loss_value
 from .replay_step import Capture, own_loss
 
-if TYPE_CHECKING:
-    from .runtime import Watch
+
+class WatchedRun(Protocol):
+    """What the hooks read and call on the watch (``runtime.Watch``): named here, so hooks never import runtime."""
+
+    model: nn.Module  # as the user passed it (a wrapper or a compiled module included)
+    root: nn.Module  # the unwrapped module whose hooks the watch installs
+    names: dict[int, str]  # id(module) -> qualified name
+    active: bool  # inside a watched step
+    device_type: str
+    targets: Any  # the step's targets, detached (None between steps)
+    scaler: Any  # the watched GradScaler, or None
+    _step: int  # the step number
+    low: Optional[torch.dtype]  # the low-precision dtype of the run (None: not known yet)
+    max_output_grad_bytes: int
+    cur: StepState  # the step being recorded
+
+    def fail(self, exc: BaseException) -> None: ...
 
 # Root forwards kept per step for a replay (gradient accumulation); beyond this the oldest are dropped.
 MAX_MICRO_BATCHES = 64
@@ -41,7 +56,7 @@ MAX_MICRO_BATCHES = 64
 class WatchHooks:
     """Installs and runs the watch's hooks; the records go into the watch's current step."""
 
-    def __init__(self, watch: Watch) -> None:
+    def __init__(self, watch: WatchedRun) -> None:
         self.w = watch
         self.root_tap: Optional[RootTap] = None
         self.module_handles: list[Any] = []
