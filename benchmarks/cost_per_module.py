@@ -108,15 +108,10 @@ def _status_kib(field: str) -> Optional[int]:
     return None
 
 
-def memory_worker(mode: str) -> None:
-    """Fresh process: the peak RSS increment of one plain step or one diagnose (after one warm-up of each)."""
-    import ampdoctor
-
-    torch.set_num_threads(1)
-    model, x, loss_fn = tenk_model()
-    run = (lambda: plain_step(model, x, loss_fn)) if mode == "plain" else (
-        lambda: ampdoctor.diagnose(model, x, loss_fn=loss_fn, dtype=DTYPE))
-    plain_step(model, x, loss_fn)
+def _print_peak_increment(model: nn.Module, warm: Callable[[], Any], run: Callable[[], Any]) -> None:
+    """Print the peak RSS increment (MiB) of ``run`` after one warm-up of ``warm`` and of ``run`` (or null where
+    /proc/self/clear_refs cannot reset the high-water mark)."""
+    warm()
     run()
     model.zero_grad(set_to_none=True)
     gc.collect()
@@ -131,6 +126,17 @@ def memory_worker(mode: str) -> None:
         return
     run()
     print("AMPDOCTOR_MEMORY " + json.dumps(((_status_kib("VmHWM") or 0) - base) / 1024))
+
+
+def memory_worker(mode: str) -> None:
+    """Fresh process: the peak RSS increment of one plain step or one diagnose (after one warm-up of each)."""
+    import ampdoctor
+
+    torch.set_num_threads(1)
+    model, x, loss_fn = tenk_model()
+    run = (lambda: plain_step(model, x, loss_fn)) if mode == "plain" else (
+        lambda: ampdoctor.diagnose(model, x, loss_fn=loss_fn, dtype=DTYPE))
+    _print_peak_increment(model, lambda: plain_step(model, x, loss_fn), run)
 
 
 def _subprocess_json(args: list[str], tag: str) -> Any:
@@ -288,21 +294,7 @@ def failing_worker(mode: str) -> None:
     model, x, loss_fn = failing_model(variant)
     run = (lambda: plain_step(model, x, loss_fn)) if kind == "plain" else (
         lambda: ampdoctor.diagnose(model, x, loss_fn=loss_fn, dtype=DTYPE, device_type="cpu"))
-    plain_step(model, x, loss_fn)
-    run()
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    base = _status_kib("VmRSS") or 0
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        print("AMPDOCTOR_MEMORY null")
-        return
-    run()
-    print("AMPDOCTOR_MEMORY " + json.dumps(((_status_kib("VmHWM") or 0) - base) / 1024))
+    _print_peak_increment(model, lambda: plain_step(model, x, loss_fn), run)
 
 
 def measure_failing(repeats: int, memory: bool) -> dict[str, Any]:

@@ -133,3 +133,26 @@ def pass_spec(model: nn.Module, batch: torch.Tensor, backward: bool = True) -> A
         dtype=torch.float16,
         backward=backward,
     )
+
+
+def amp_train(
+    model: nn.Module, x: torch.Tensor, loss_of: Callable[[Any], torch.Tensor], steps: int = 20
+) -> tuple[list[float], list[int]]:
+    """``steps`` AdamW steps (lr 1e-3) on the same batch under CPU float16 autocast and GradScaler defaults:
+    the losses, and the steps GradScaler skipped (the ones after which it lowered the scale)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    losses: list[float] = []
+    skipped: list[int] = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model(x))
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() < before:
+            skipped.append(step)
+        losses.append(float(loss.detach()))
+    return losses, skipped

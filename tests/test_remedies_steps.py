@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_untouched, snapshot
+from helpers import amp_train, assert_untouched, snapshot
 from test_remedies_attention import Sensors
 
 import ampdoctor
@@ -27,20 +27,8 @@ def _loss(out: torch.Tensor, _: object) -> torch.Tensor:
 
 
 def _train(model: torch.nn.Module, x: torch.Tensor, steps: int = 20) -> tuple[list[float], int]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    losses, taken = [], 0
-    for _ in range(steps):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = _loss(model(x), None)
-        scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(loss.item())
-        taken += scaler.get_scale() >= before
-    return losses, taken
+    losses, skipped = amp_train(model, x, lambda out: _loss(out, None), steps)
+    return losses, steps - len(skipped)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import assert_untouched, snapshot
+from helpers import amp_train, assert_untouched, snapshot
 from test_remedies_attention import Sensors
 from torch import nn
 
@@ -31,20 +31,8 @@ def _train(
     model: nn.Module, x: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor], steps: int = 20
 ) -> tuple[list[float], int]:
     """``steps`` AdamW steps (lr 1e-3) on the same batch under GradScaler defaults: (losses, steps taken)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    losses, taken = [], 0
-    for _ in range(steps):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(model(x))
-        scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(loss.item())
-        taken += scaler.get_scale() >= before  # a skipped step halves the scale
-    return losses, taken
+    losses, skipped = amp_train(model, x, loss_fn, steps)
+    return losses, steps - len(skipped)
 
 
 def _mean(out: torch.Tensor) -> torch.Tensor:

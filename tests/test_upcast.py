@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_untouched, snapshot
+from helpers import amp_train, assert_untouched, snapshot
+from test_remedies_attention import Wide  # a Linear (no forward of the user's own code) overflows
 from torch import nn
 
 import ampdoctor
@@ -72,22 +73,7 @@ def _diagnose(model: nn.Module, x: torch.Tensor) -> ampdoctor.Report:
 
 def _train(model: nn.Module, x: torch.Tensor, steps: int = 20) -> tuple[list[float], list[int]]:
     """AdamW (lr 1e-3) under GradScaler defaults on one batch: the losses and the steps GradScaler skipped."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    losses: list[float] = []
-    skipped: list[int] = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = _loss(model(x))
-        scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        if scaler.get_scale() < before:
-            skipped.append(step)
-        losses.append(float(loss.detach()))
-    return losses, skipped
+    return amp_train(model, x, _loss, steps)
 
 
 def _hooks(model: nn.Module) -> int:
@@ -238,19 +224,6 @@ def test_the_second_matmul_is_named_by_its_occurrence() -> None:
 
 
 # -- (c) not offered where the op cannot be reached --------------------------------------------------------------
-
-
-class Wide(nn.Module):
-    """A Linear (no forward of the user's own code) overflows: x = 100, weight 1000 * I."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4, bias=False)
-        with torch.no_grad():
-            self.fc.weight.copy_(torch.eye(4) * 1000.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x)
 
 
 def test_not_offered_for_a_module_without_its_own_forward() -> None:
