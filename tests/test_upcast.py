@@ -93,8 +93,9 @@ def story() -> tuple[ampdoctor.Report, torch.Tensor]:
     return report, x
 
 
-def test_scores_matmul_upcast_is_offered_for_both_blocks_and_verified(story: tuple[ampdoctor.Report, torch.Tensor]
-                                                                     ) -> None:
+def test_scores_matmul_upcast_is_offered_for_both_blocks_and_verified(
+    story: tuple[ampdoctor.Report, torch.Tensor],
+) -> None:
     report, _ = story
     assert report.findings.verdict == "overflow"
     rules = [r.rule for r in report.recommendations]
@@ -140,8 +141,9 @@ def test_a_carrier_that_does_not_need_it_is_left_out() -> None:
     rec = next(r for r in report.recommendations if r.rule == "fp32_op")
     assert rec.verified, rec.evidence
     assert rec.modules == ("blocks.0.attn",)
-    assert rec.evidence.startswith("tried the op in float32 in [blocks.0.attn, blocks.1.attn]; then in "
-                                   "[blocks.0.attn]; ")
+    assert rec.evidence.startswith(
+        "tried the op in float32 in [blocks.0.attn, blocks.1.attn]; then in [blocks.0.attn]; "
+    )
     assert "1 module call(s), 1 op(s) upcast; forward and backward finite" in rec.evidence
 
 
@@ -227,8 +229,9 @@ def test_the_second_matmul_is_named_by_its_occurrence() -> None:
 
 
 def test_not_offered_for_a_module_without_its_own_forward() -> None:
-    report = ampdoctor.diagnose(Wide(), torch.full((2, 4), 100.0), loss_fn=lambda out, _: out.float().mean() * 1e-6,
-                                device_type="cpu")
+    report = ampdoctor.diagnose(
+        Wide(), torch.full((2, 4), 100.0), loss_fn=lambda out, _: out.float().mean() * 1e-6, device_type="cpu"
+    )
     origin = report.findings.forward_origin
     assert origin is not None and origin.module == "fc"
     assert "fp32_op" not in [r.rule for r in report.recommendations]
