@@ -99,3 +99,23 @@ def test_no_histogram_asked_reads_none() -> None:
     collector.add_fresh(torch.ones(4, dtype=torch.float16))
     collector.read()
     assert collector.gradient_histogram is None
+
+
+def test_interleaved_shapes_come_back_in_the_order_added(monkeypatch) -> None:
+    # Copies are reduced shape by shape (stacked): slot k must still read tensor k, across flushes.
+    monkeypatch.setattr(staging, "STAGE_ELEMENTS", 50)
+    shapes = [(2, 3), (4,), (2, 3), (3, 2), (4,), (2, 3), (1,), (3, 2), (4,)]
+    tensors = [torch.full(s, float(k) - 4.0, dtype=torch.float16) for k, s in enumerate(shapes)]
+    tensors[3][0, 0] = 100.0  # max 100 in slot 3 only
+    tensors[6][0] = NAN  # NaN in slot 6 only
+    collector = StatsCollector(torch.float16, detailed=False, zeros=True)
+    slots = [collector.add_fresh(t) for t in tensors]
+    records = collector.read()
+    mins = [records[s].min for s in slots]
+    maxs = [records[s].max for s in slots]
+    zeros = [records[s].zero_count for s in slots]
+    assert mins[:6] + mins[7:] == [-4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 3.0, 4.0]
+    assert maxs[:6] + maxs[7:] == [-4.0, -3.0, -2.0, 100.0, 0.0, 1.0, 3.0, 4.0]
+    assert math.isnan(mins[6]) and math.isnan(maxs[6])
+    assert zeros == [0, 0, 0, 0, 4, 0, 0, 0, 0]
+    assert [records[s].shape for s in slots] == shapes

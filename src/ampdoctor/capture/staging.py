@@ -12,12 +12,12 @@ the binade histogram of the segments that asked for one into a running total.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
 
 from ..thresholds import HIST_HIGH, HIST_LOW
+from .reductions import segment_extremes
 
 # Tensors up to this many elements are staged; larger ones are measured on their own (the reductions dominate).
 STAGE_EACH = 1 << 12
@@ -65,69 +65,92 @@ class Segments:
 
 
 class Stage:
-    """One staging buffer (a device and a dtype) and the statistics of the segments flushed from it."""
+    """One staging area (a device and a dtype) and the statistics of the segments flushed from it.
 
-    __slots__ = ("buffer", "used", "lengths", "wants_hist", "any_hist", "results", "count", "histogram")
+    ``add`` costs one copy of the tensor (``clone``: one kernel, no slicing of a shared buffer) kept in a list of
+    its shape; a flush stacks each shape's copies (one kernel per shape) and reduces all of them together. The
+    statistics come back in the order the segments were added whatever their shapes."""
+
+    __slots__ = ("groups", "used", "wants_hist", "any_hist", "results", "count", "histogram", "order", "device",
+                 "dtype")
 
     def __init__(self, dtype: torch.dtype, device: torch.device, histogram: Callable[[torch.device], torch.Tensor]):
-        self.buffer = torch.empty(STAGE_ELEMENTS, dtype=dtype, device=device)
+        self.device = device
+        self.dtype = dtype
+        # Per shape: (segment indices, copies), in the order of first appearance of the shape.
+        self.groups: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}
         self.used = 0
-        self.lengths: list[int] = []
-        self.wants_hist: list[bool] = []
+        self.wants_hist: list[bool] = []  # per segment ever added
         self.any_hist = False
-        # Per flush: (min, max, NaN-ignoring sum, nonzero count), float32 1-D tensors of one value per segment.
+        # Per flush: (min, max, NaN-ignoring sum, nonzero count), float32 1-D tensors of one value per segment,
+        # in the flush's order (``order``).
         self.results: list[Statistics] = []
+        self.order: list[int] = []  # segment index of each value in ``results``, all flushes in turn
         self.count = 0  # segments staged so far: the index of the next one
         self.histogram = histogram  # the running histogram total of the device (int64, HIST_BINS)
 
-    @property
-    def device(self) -> torch.device:
-        return self.buffer.device
-
     def add(self, x: torch.Tensor, hist: bool = False) -> int:
-        """Copy ``x`` (no gradient needed; 1 to ``STAGE_EACH`` elements of the buffer's dtype and device) into the
-        buffer; returns its index among this stage's segments. ``hist``: add its binade histogram to the total."""
+        """Copy ``x`` (no gradient needed; 1 to ``STAGE_EACH`` elements of this stage's dtype and device); returns
+        its index among this stage's segments. ``hist``: add its binade histogram to the total."""
         n = x.numel()
         if self.used + n > STAGE_ELEMENTS:
             self.flush()
-        self.buffer[self.used : self.used + n].view(x.shape).copy_(x)
+        shape = x.shape
+        group = self.groups.get(shape)
+        if group is None:
+            group = self.groups[shape] = ([], [])
+        index = self.count
+        group[0].append(index)
+        group[1].append(x.clone())  # the values as they are now: a later in-place write cannot change them
         self.used += n
-        self.lengths.append(n)
         self.wants_hist.append(hist)
-        self.any_hist = self.any_hist or hist
-        self.count += 1
-        return self.count - 1
+        if hist:
+            self.any_hist = True
+        self.count = index + 1
+        return index
 
     def flush(self) -> None:
-        """Reduce the staged segments (a few kernels for all of them); the buffer is free again afterwards."""
-        if not self.lengths:
+        """Reduce the staged segments (a few kernels per distinct shape); the copies are dropped afterwards."""
+        if not self.groups:
             return
-        data = self.buffer[: self.used]
+        blocks: list[torch.Tensor] = []
+        lengths: list[int] = []
+        order: list[int] = []
+        for indices, copies in self.groups.values():
+            block = torch.stack(copies) if len(copies) > 1 else copies[0].unsqueeze(0)
+            blocks.append(block.reshape(-1))
+            size = block[0].numel()
+            lengths += [size] * len(copies)
+            order += indices
+        self.groups = {}
+        data = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
         w = data if data.dtype == torch.float32 else data.float()
-        lengths = torch.tensor(self.lengths, device=w.device)
-        reduce = torch.segment_reduce  # NaN propagates through min and max, as in aminmax
-        mins = reduce(w, "min", lengths=lengths)
-        maxs = reduce(w, "max", lengths=lengths)
-        sums = reduce(torch.nan_to_num(w, nan=0.0, posinf=math.inf, neginf=-math.inf), "sum", lengths=lengths)
-        nonzero = reduce((w != 0).float(), "sum", lengths=lengths)  # NaN counts as nonzero, as in count_nonzero
+        mins, maxs, sums, nonzero = segment_extremes(w, tuple(lengths))  # NaN propagates through min and max
         self.results.append((mins, maxs, sums, nonzero))
+        self.order += order
         if self.any_hist:
             bins = histogram_bins(w)
-            if not all(self.wants_hist):
-                wanted = torch.tensor(self.wants_hist, device=w.device).repeat_interleave(lengths)
+            wants = [self.wants_hist[i] for i in order]
+            if not all(wants):
+                wanted = torch.tensor(wants, device=w.device).repeat_interleave(torch.tensor(lengths, device=w.device))
                 bins.masked_fill_(wanted.logical_not_(), HIST_BINS)
             total = self.histogram(w.device)
             total += torch.bincount(bins, minlength=HIST_BINS + 1)[:HIST_BINS]
         self.used = 0
-        self.lengths = []
-        self.wants_hist = []
         self.any_hist = False
 
     def statistics(self) -> Optional[Statistics]:
-        """Every segment's (min, max, NaN-ignoring sum, nonzero count), flushed first; None when none was staged."""
+        """Every segment's (min, max, NaN-ignoring sum, nonzero count) in the order added, flushed first; None
+        when none was staged."""
         self.flush()
         if not self.results:
             return None
-        if len(self.results) > 1:
-            self.results = [tuple(torch.cat(parts) for parts in zip(*self.results))]  # type: ignore[list-item]
+        if len(self.results) > 1 or self.order != list(range(len(self.order))):
+            merged = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*self.results)]
+            position = [0] * len(self.order)
+            for value, segment in enumerate(self.order):
+                position[segment] = value
+            back = torch.tensor(position, device=merged[0].device)
+            self.results = [tuple(m.index_select(0, back) for m in merged)]  # type: ignore[list-item]
+            self.order = list(range(len(position)))
         return self.results[0]

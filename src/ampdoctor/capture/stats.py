@@ -123,6 +123,7 @@ class StatsCollector:
         # zero index); level 0: min/max, 1: min/max and zeros, 2: detailed; 3 and 4: 0 and 1, staged.
         self._slots: list[tuple[str, tuple[int, ...], Any, int, int, int]] = []
         self._stages: dict[tuple[torch.device, torch.dtype], Stage] = {}
+        self._cpu_stages: dict[torch.dtype, Stage] = {}  # the same CPU stages, by dtype only (the hot path)
         # The running binade histogram of every gradient given to add_gradient_histogram, per device.
         self._gradient_hist: dict[torch.device, torch.Tensor] = {}
         self.gradient_histogram: Optional[list[float]] = None  # their sum, after read() (None: none given)
@@ -174,10 +175,19 @@ class StatsCollector:
             _internal.depth -= 1
 
     def _measure(self, x: torch.Tensor, level: int, histogram: bool = False) -> int:
-        shape = tuple(x.shape)
         dtype = x.dtype
-        name = _NAMES.get(dtype) or dtype_name(dtype)
         numel = x.numel()
+        # The common case first (a small CPU tensor at the survey level: staged), with no more lookups than it needs.
+        if level < 2 and 0 < numel <= STAGE_EACH and x.is_cpu and dtype in STAGED_DTYPES:
+            stage = self._cpu_stages.get(dtype)
+            if stage is None:
+                stage = self._stages[(x.device, dtype)] = self._cpu_stages[dtype] = Stage(
+                    dtype, x.device, self._gradient_total)
+            slots = self._slots
+            slots.append((_NAMES[dtype], tuple(x.shape), stage, stage.add(x, histogram), level + 3, -1))
+            return len(slots) - 1
+        shape = tuple(x.shape)
+        name = _NAMES.get(dtype) or dtype_name(dtype)
         if dtype not in _DIRECT and (not x.is_floating_point() or x.is_complex()) or numel == 0:
             self._slots.append((name, shape, None, -1, 0, -1))
             return len(self._slots) - 1
