@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..records import FormatLimits, TensorStats
+from ..records import FormatLimits, TensorStats, survey_stats
 from ..thresholds import HIST_HIGH, HIST_LOW
 from .dtypes import dtype_name
 from .reductions import behind_nan, detailed_record, segment_extremes, segment_ids
@@ -448,11 +448,11 @@ class StatsCollector:
             if high != high or low != low:  # NaN: an inf behind it shows in the NaN-ignoring sum
                 low, high = behind_nan(low, high, data["nansum"][index])
             if level == 1:
-                append(TensorStats(name, shape, low, high, prod(shape) - int(data["zero_count"][zindex])))
+                append(survey_stats(name, shape, low, high, prod(shape) - int(data["zero_count"][zindex])))
             elif level == 4:  # staged, zeros counted
-                append(TensorStats(name, shape, low, high, prod(shape) - int(data["zero_count"][index])))
+                append(survey_stats(name, shape, low, high, prod(shape) - int(data["zero_count"][index])))
             else:  # the common case, kept lean: a record per tensor of every pass
-                append(TensorStats(name, shape, low, high))
+                append(survey_stats(name, shape, low, high))
         gradient = [host[d]["gradient_hist"][0] for d in self._gradient_hist]
         self.gradient_histogram = [sum(bins) for bins in zip(*gradient)] if gradient else None
         self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]

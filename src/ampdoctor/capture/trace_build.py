@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..records import GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats
+from ..records import GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats, survey_stats
 from .hooks import Recorder
 
 
@@ -59,4 +59,4 @@ def _unscaled(stats: TensorStats, scale: float) -> TensorStats:
     """``stats.scaled_down(scale)``, built directly for survey-level statistics (a few per module call)."""
     if stats.detailed or stats.min is None or stats.max is None or scale == 1.0:
         return stats.scaled_down(scale)
-    return TensorStats(stats.dtype, stats.shape, stats.min / scale, stats.max / scale, stats.zero_count)
+    return survey_stats(stats.dtype, stats.shape, stats.min / scale, stats.max / scale, stats.zero_count)
