@@ -185,6 +185,9 @@ def test_a_probe_on_the_shared_graph_equals_a_fresh_pass() -> None:
     histograms = PassOptions(histograms=1)
     try:
         run_pass(spec, 1024.0, histograms, guard, share=share)
+        # The graph is kept for the next backward; no forward runs on it, so the modules' hooks are gone already.
+        assert share.step is not None
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
         shared, _ = run_pass(spec, 2.0**20, histograms, guard, share=share)
         shared_hist = dict(share.histograms)
     finally:

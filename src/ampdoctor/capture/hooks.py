@@ -136,6 +136,7 @@ class Recorder:
         self._grad_order = itertools.count()
         self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
         self._handles: list[Any] = []
+        self._module_handles: list[Any] = []
         self._recompute: list[int] = []  # original call index of each re-run in progress (-1 unmatched, -2 ignored)
         self._matched: set[int] = set()
         self.uncaptured: list[str] = []  # re-run calls that could not be matched to their original call
@@ -147,9 +148,10 @@ class Recorder:
     # install / remove (a Ctrl-C waits until a handle is recorded, or until every handle is removed)
     @uninterrupted
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
+        pre, post = self._pre, self._post  # one bound method each for every module
         for module in self.modules:
-            self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+            self._module_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._module_handles.append(module.register_forward_hook(post, with_kwargs=True))
         if self.record_grads:
             for name, param in params:
                 if param.requires_grad:
@@ -158,11 +160,22 @@ class Recorder:
     @uninterrupted
     def remove(self) -> None:
         """Idempotent: every hook removed, the zoom closed."""
+        self.drop_forward_hooks()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._stash.clear()
         self.close_zoom()
+
+    @uninterrupted
+    def drop_forward_hooks(self) -> None:
+        """Remove the modules' forward hooks (idempotent) once no forward of this pass can run any more: a graph
+        kept for more backwards needs only its gradient hooks (a re-run forward inside a backward, activation
+        checkpointing's, makes such a graph unrepeatable)."""
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles.clear()
+        self._producers.clear()
 
     @uninterrupted
     def close_zoom(self, output: Any = None) -> None:

@@ -161,6 +161,7 @@ def run_pass(
     if share is not None:
         share.histograms = step.histograms
         if kept:
+            step.recorder.drop_forward_hooks()  # later backwards run no forward: their bookkeeping can go
             share.step = step
     return trace, step.loss_source
 

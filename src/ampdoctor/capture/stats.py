@@ -458,7 +458,22 @@ class StatsCollector:
         self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]
         self.vectors = [host[device]["vectors"][start : start + n] for device, start, n in self._vector_slots]
         self.histograms = [host[device]["hists"][index] for device, index in self._hists]
+        self._release()
         return records
+
+    def _release(self) -> None:
+        """After the one readback: the per-slot bookkeeping and the queued device values go (a kept graph's
+        next backward gets a collector of its own); ``nbytes`` and ``len`` still answer."""
+        self._seen.clear()
+        self._stages.clear()
+        self._cpu_stages.clear()
+        self._survey.clear()
+        self._details.clear()
+        self._hist_values.clear()
+        self._batches.clear()
+        self._values.clear()
+        self._vectors.clear()
+        self._gradient_hist.clear()
 
     def nbytes(self, slot: int) -> int:
         """Bytes of the tensor measured in ``slot`` (from its recorded shape and dtype)."""
