@@ -119,3 +119,35 @@ def test_interleaved_shapes_come_back_in_the_order_added(monkeypatch) -> None:
     assert math.isnan(mins[6]) and math.isnan(maxs[6])
     assert zeros == [0, 0, 0, 0, 4, 0, 0, 0, 0]
     assert [records[s].shape for s in slots] == shapes
+
+
+def test_the_hidden_watch_shares_the_staged_copy_of_a_leaf_modules_output() -> None:
+    # Linear's one op (F.linear) makes the module's output: the watch stages it, and the module's hook finds that
+    # slot (same tensor, same version) instead of measuring it a second time. The op's values come from the records.
+    from torch import nn
+
+    from ampdoctor.capture.options import PassOptions
+    from ampdoctor.capture.passes import PassSpec, _Step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight.fill_(2.0)
+        model[0].bias.fill_(-1.0)
+    spec = PassSpec(root=model, names={id(m): n for n, m in model.named_modules()},
+                    params=list(model.named_parameters()), batch=torch.ones(2, 4), loss_fn=None, device_type="cpu",
+                    dtype=torch.float16, backward=True)
+    step = _Step(spec, list(model.modules()), ("test",), PassOptions(), None)
+    try:
+        step.forward()
+        calls = {c.module: c for c in step.recorder.calls}
+        shared = {slot for _, slot in step.hidden._from_slots}
+        assert calls["0"].outputs[0][1] in shared and calls["1"].outputs[0][1] in shared
+        assert calls["1"].inputs[0][1] == calls["0"].outputs[0][1]  # ReLU's input: Linear's output, measured once
+        assert calls[""].outputs[0][1] == calls["1"].outputs[0][1]  # the root returns ReLU's output
+        trace = step.backward(1.0, keep=False)
+    finally:
+        step.close()
+    out = {c.module: c.outputs[0].stats for c in trace.calls}
+    assert (out["0"].min, out["0"].max) == (7.0, 7.0)  # 4 * 2 - 1 in every element
+    assert trace.op_overflows == () and trace.op_peaks == ()

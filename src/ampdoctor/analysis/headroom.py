@@ -29,13 +29,20 @@ def headroom_bits(abs_max: Optional[float], limits: FormatLimits) -> Optional[fl
 def near_limit(trace: PassTrace, modules: Iterable[ModuleInfo], limits: FormatLimits) -> list[NearLimit]:
     """Finite outputs, parameters and (scaled) gradients within HEADROOM_WARN_BITS of the format's max."""
     found: list[NearLimit] = []
+    # Magnitudes at or below this keep more than HEADROOM_WARN_BITS + 1 bits: not near, and no logarithm taken
+    # (asked for every output, parameter and gradient of the pass).
+    far = limits.max * 2.0 ** -(HEADROOM_WARN_BITS + 1)
 
     def check(module: str, call: int, tensor: str, stats: TensorStats, factor: float = 1.0) -> None:
-        if stats.abs_max is None:
+        abs_max = stats.abs_max
+        if abs_max is None:
             return
-        bits = headroom_bits(stats.abs_max * factor, limits)
+        abs_max *= factor
+        if abs_max <= far:
+            return
+        bits = headroom_bits(abs_max, limits)
         if bits is not None and 0 <= bits < HEADROOM_WARN_BITS:  # beyond the max is no longer 'near' it
-            found.append(NearLimit(module, call, tensor, stats.abs_max * factor, bits))
+            found.append(NearLimit(module, call, tensor, abs_max, bits))
 
     for c in trace.calls:
         for r in c.outputs:

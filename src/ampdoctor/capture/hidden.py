@@ -132,6 +132,7 @@ class HiddenWatch(TorchFunctionMode):
         self._where: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, ...]]] = {}
         self._occurrences: dict[tuple[Optional[int], str], int] = {}
         self._queued: list[tuple[int, list[int]]] = []  # (collector vector, positions in values)
+        self._from_slots: list[tuple[int, int]] = []  # (position in values, collector slot of a staged tensor)
         self.paused = Paused(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -235,8 +236,13 @@ class HiddenWatch(TorchFunctionMode):
         node.outputs = len(tensors)
         node.dtype = DTYPE_NAMES.get(tensors[0].dtype) or str(tensors[0].dtype).replace("torch.", "")
         node.numel = tensors[0].numel()
+        shared = self.recorder.collector.add_if_staged
         for t in tensors:
-            self.values.append(torch.aminmax(t.detach()))  # one fused reduction; inf, -inf and NaN show in it
+            # A small tensor is staged by the pass's collector, which its module's hook then finds measured already
+            # (same tensor, same version: a leaf module's one op makes its output): one copy for both, its min and
+            # max read from the pass's records. Otherwise one fused reduction; inf, -inf and NaN show in either.
+            slot = shared(t)
+            self.values.append(slot if slot >= 0 else torch.aminmax(t.detach()))
             self._count += 2
 
     def _measure_unmasked(self, node: _Node, out: torch.Tensor, args: Any, inplace: bool) -> None:
@@ -312,21 +318,35 @@ class HiddenWatch(TorchFunctionMode):
         """Hand the queued values to ``collector`` (a StatsCollector) for the pass's single readback: one stacked
         vector per (device, dtype), so reading them back converts a few tensors, not one per op."""
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        flat = [v for entry in self.values for v in (entry if isinstance(entry, tuple) else (entry,))]
+        flat: list[Any] = []
+        self._from_slots = []
+        for entry in self.values:
+            if isinstance(entry, int):  # a collector slot: a (min, max) pair read from the records
+                self._from_slots.append((len(flat), entry))
+                flat += (None, None)
+            elif isinstance(entry, tuple):
+                flat += entry
+            else:
+                flat.append(entry)
         for i, v in enumerate(flat):
-            groups.setdefault((v.device, v.dtype), []).append(i)
+            if v is not None:
+                groups.setdefault((v.device, v.dtype), []).append(i)
         with INTERNAL:
             self._queued = [
                 (collector.add_vector(torch.stack([flat[i] for i in where])), where) for where in groups.values()
             ]
         self.values = []  # the collector holds them now (0-d tensors, no activation)
 
-    def read_values(self, collector: Any) -> list[float]:
-        """The values in the order they were queued, after ``collector.read()``."""
-        out = [0.0] * sum(len(where) for _, where in self._queued)
+    def read_values(self, collector: Any, stats: Sequence[Any]) -> list[float]:
+        """The values in the order they were queued, after ``collector.read()`` (which returned ``stats``)."""
+        out = [0.0] * self._count
         for slot, where in self._queued:
             for position, value in zip(where, collector.vectors[slot]):
                 out[position] = value
+        for position, slot in self._from_slots:
+            record = stats[slot]
+            out[position] = record.min
+            out[position + 1] = record.max
         return out
 
     def records(self, values: Sequence[float], calls: Sequence[Any]) -> tuple[OpOverflow, ...]:

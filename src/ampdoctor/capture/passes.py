@@ -363,7 +363,7 @@ class _Step:
         overflows: tuple[OpOverflow, ...] = ()
         peaks: tuple[OpPeak, ...] = ()
         if self.hidden is not None:
-            values = self.hidden.read_values(self.collector)
+            values = self.hidden.read_values(self.collector, stats)
             overflows = self.hidden.records(values, recorder.calls)
             peaks = op_peaks(self.hidden, values, trace.calls)
             if self.hidden.error:

@@ -164,6 +164,14 @@ class StatsCollector:
             pass
         return slot
 
+    def add_if_staged(self, tensor: torch.Tensor) -> int:
+        """``add`` at the survey level when that is this collector's level and ``tensor`` is one it stages (small,
+        on the CPU); -1 otherwise (nothing measured). A hook that adds the same tensor later finds its slot."""
+        if (self.detailed or not tensor.is_cpu or tensor.dtype not in STAGED_DTYPES
+                or not 0 < tensor.numel() <= STAGE_EACH):
+            return -1
+        return self.add(tensor)
+
     def add_fresh(self, tensor: torch.Tensor, histogram: bool = False) -> int:
         """``add`` for a tensor made just now and seen once (a gradient in a hook): no lookup of earlier slots.
         ``histogram``: also add its binade histogram to :attr:`gradient_histogram` (:meth:`add_gradient_histogram`)."""

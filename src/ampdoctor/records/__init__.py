@@ -178,9 +178,10 @@ class TensorStats(NanEq):
         """Largest finite magnitude, or None when unknown (not measured, or non-finite at survey level)."""
         if self.finite_min is not None and self.finite_max is not None:
             return max(abs(self.finite_min), abs(self.finite_max))
-        if self.min is None or self.max is None or not self.is_finite:
+        lo, hi = self.min, self.max
+        if lo is None or hi is None or not self.is_finite:
             return None
-        return max(abs(self.min), abs(self.max))
+        return -lo if -lo > hi else hi  # max(|lo|, |hi|) for lo <= hi (NaN excluded above)
 
     @property
     def nonzero_count(self) -> Optional[int]:
@@ -409,7 +410,13 @@ class PassTrace:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
 
     def gradients_finite(self) -> bool:
-        return all(e.stats.is_finite for e in self.grad_events)
+        # Asked by several analyses of one diagnosis: walked once per record (records never change), kept beside
+        # the fields (not one of them: equality, hashing and JSON ignore it).
+        found = self.__dict__.get("_gradients_finite")
+        if found is None:
+            found = all(e.stats.is_finite for e in self.grad_events)
+            object.__setattr__(self, "_gradients_finite", found)
+        return found
 
     def forward_finite(self) -> bool:
         """The loss and the model's outputs are finite."""
@@ -419,9 +426,13 @@ class PassTrace:
         """Loss and outputs finite, and no call output with NaN or +inf (one holding only ``-inf`` may be a mask)."""
         if not self.forward_finite():
             return False
-        return not any(
-            r.stats.measured and (r.stats.has_nan or r.stats.has_posinf) for c in self.calls for r in c.outputs
-        )
+        found = self.__dict__.get("_outputs_healthy")
+        if found is None:
+            found = not any(
+                r.stats.measured and (r.stats.has_nan or r.stats.has_posinf) for c in self.calls for r in c.outputs
+            )
+            object.__setattr__(self, "_outputs_healthy", found)
+        return found
 
     def healthy(self) -> bool:
         """The one definition of a healthy pass: a healthy forward and, when the backward ran, finite gradients."""
