@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..records import TensorStats
+from ..records import FormatLimits, TensorStats
 
 
 def behind_nan(low: float, high: float, nansum: float) -> tuple[float, float]:
@@ -87,4 +87,21 @@ def detailed_record(name: str, shape: tuple[int, ...], counts: list[float], extr
         below_tiny - zeros,
         overflow - posinf - neginf,
         flush - zeros,
+    )
+
+
+def format_limits(dtype: torch.dtype) -> FormatLimits:
+    """Limits of a floating format, with the exact round-to-nearest-even edges used when casting to it."""
+    info = torch.finfo(dtype)
+    mantissa_bits = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}[dtype]
+    top_exponent = math.floor(math.log2(info.max))
+    smallest_subnormal = info.tiny * 2.0**-mantissa_bits
+    return FormatLimits(
+        dtype=str(dtype).replace("torch.", ""),
+        max=float(info.max),
+        tiny=float(info.tiny),
+        smallest_subnormal=smallest_subnormal,
+        # Half an ulp above max rounds (to even) to inf; exactly half of the smallest subnormal rounds to 0.
+        overflow_threshold=float(info.max) + 2.0 ** (top_exponent - mantissa_bits - 1),
+        flush_threshold=smallest_subnormal / 2,
     )

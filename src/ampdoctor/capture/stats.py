@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..records import FormatLimits, TensorStats, survey_stats
+from ..records import TensorStats, survey_stats
 from ..thresholds import HIST_HIGH, HIST_LOW
 from .dtypes import dtype_name
-from .reductions import behind_nan, detailed_record, segment_extremes, segment_ids
+from .reductions import behind_nan, detailed_record, format_limits, segment_extremes, segment_ids
 from .staging import HIST_BINS, STAGE_EACH, STAGED_DEVICES, STAGED_DTYPES, Segments, Stage, histogram_bins
 
 # Statistic names in the order records list them. The survey level takes one fused min/max and a zero count.
@@ -51,23 +51,6 @@ HIST_GROUP = 1024
 _COUNTS = ("nonzero", "nan", "posinf", "neginf", "below_tiny", "at_or_below_flush", "at_or_above_overflow")
 _DIRECT = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _NAMES = {dtype: dtype_name(dtype) for dtype in _DIRECT}
-
-
-def format_limits(dtype: torch.dtype) -> FormatLimits:
-    """Limits of a floating format, with the exact round-to-nearest-even edges used when casting to it."""
-    info = torch.finfo(dtype)
-    mantissa_bits = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}[dtype]
-    top_exponent = math.floor(math.log2(info.max))
-    smallest_subnormal = info.tiny * 2.0**-mantissa_bits
-    return FormatLimits(
-        dtype=str(dtype).replace("torch.", ""),
-        max=float(info.max),
-        tiny=float(info.tiny),
-        smallest_subnormal=smallest_subnormal,
-        # Half an ulp above max rounds (to even) to inf; exactly half of the smallest subnormal rounds to 0.
-        overflow_threshold=float(info.max) + 2.0 ** (top_exponent - mantissa_bits - 1),
-        flush_threshold=smallest_subnormal / 2,
-    )
 
 
 _internal = threading.local()
