@@ -329,7 +329,7 @@ class StatsCollector:
                 out.append((self._measure(t.detach(), 1), hist))
                 continue
             segments, i, hist = found
-            self._slots.append((dtype_name(t.dtype), tuple(t.shape), segments, i, 4, -1))
+            self._slots.append((_NAMES.get(t.dtype) or dtype_name(t.dtype), tuple(t.shape), segments, i, 4, -1))
             out.append((len(self._slots) - 1, hist))
         return out
 
