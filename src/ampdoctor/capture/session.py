@@ -15,7 +15,7 @@ from ..errors import OutOfMemory
 from ..records import PassRecord, PassTrace
 from .dtypes import dtype_name
 from .hidden import targets_of
-from .memory import describe, is_out_of_memory, pass_estimate
+from .memory import describe, is_out_of_memory, pass_estimate, trim_host_heap
 from .options import PLAIN_PASS, PassOptions, ProgressFn, ProgressOption
 from .passes import PassSpec, SharedForward, run_pass
 from .progress import Progress, progress_on_stderr
@@ -66,6 +66,8 @@ class Session:
         self._check_memory(record, options.detailed, options.autocast, survey_level)
         if self.progress is not None:
             self.progress(self.purpose, len(self.log), None)
+        # What the last pass freed goes back to the system first: each pass starts where the first one did.
+        trim_host_heap()
         start = time.perf_counter()
         try:
             trace, source = run_pass(
