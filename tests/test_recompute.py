@@ -9,13 +9,15 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_untouched, snapshot
+from test_api import constant_linear
 from test_upcast import Clamped, SelfAttention, Sensors, _loss, _readings
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import ampdoctor
 from ampdoctor.fixes import recompute as recompute_module
-from ampdoctor.fixes import verify_upcast
+from ampdoctor.fixes import verify, verify_upcast
 from ampdoctor.fixes.recompute import Recomputed, RecomputeMismatch
 from ampdoctor.fixes.upcast import Fp32Op
 
@@ -163,3 +165,39 @@ def test_a_rerun_mismatch_falls_back_to_the_plain_rerun(monkeypatch: pytest.Monk
     assert rec.verified and "2 module call(s), 2 op(s) upcast" in rec.evidence
     failed = [p for p in report.run.passes if p.status == "failed"]
     assert failed and all("injected" in p.reason for p in failed)
+
+
+def _boom() -> nn.Sequential:
+    model = nn.Sequential()
+    model.add_module("pre", constant_linear(16, 16, 1 / 16))
+    model.add_module("boom", constant_linear(16, 16, 5000.0))  # 16 * 5000 = 80000 > 65504 in float16
+    return model
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_float32_fallback_is_verified_with_recomputed_calls(monkeypatch: pytest.MonkeyPatch, broken: bool) -> None:
+    made: list[Recomputed] = []
+
+    class Recording(Recomputed):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    def injected(self: Any) -> None:
+        raise RecomputeMismatch("injected")
+
+    monkeypatch.setattr(verify, "Recomputed", Recording)
+    if broken:
+        monkeypatch.setattr(recompute_module._Call, "_remake", injected)
+    model = _boom()
+    before = snapshot(model)
+    report = ampdoctor.diagnose(model, torch.ones(2, 16), device_type="cpu")
+    assert_untouched(model, before)
+    rec = next(r for r in report.recommendations if r.action == "fp32_fallback")
+    assert rec.verified and rec.modules == ("boom",), rec.evidence
+    first = made[0]
+    assert first.calls >= 1 and first.reruns == (0 if broken else first.calls)
+    if broken:  # the re-run that raised is in the log; the plain re-run after it proved the fallback
+        assert made[1].calls == 0 and any("injected" in p.reason for p in report.run.passes if p.status == "failed")
+    else:
+        assert all(p.status == "ran" for p in report.run.passes)

@@ -38,6 +38,16 @@ class RecomputeMismatch(RuntimeError):
     """A re-run of a call did not save what its first run saved (or its inputs changed since)."""
 
 
+def recompute_mismatch(exc: BaseException) -> bool:
+    """``exc`` is, or was raised from, a :class:`RecomputeMismatch` (a re-run pass wraps what the backward raised)."""
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, RecomputeMismatch):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
 

@@ -32,7 +32,7 @@ from ..capture.model import find_module
 from ..capture.stats import INTERNAL
 from ..capture.zoom import innermost_user_line
 from ..records import BATCH, LOSS, Cost, FormatLimits, PassTrace, Recommendation, SourceLocation
-from .recompute import Recomputed, RecomputeMismatch
+from .recompute import Recomputed, recompute_mismatch
 from .rules_upcast import FUSED_FUNCTIONS, HIDDEN_RULE, hidden_site, ordinal, same_site, upcast_snippet
 from .upcast import Fp32Op, _Frame, _ScopedOps
 
@@ -199,19 +199,9 @@ def _attempt(ctx: VerifyContext, site: OpSite, chosen: list[str], check_scale: f
     try:
         return _attempt_once(ctx, site, chosen, check_scale, recompute=True)
     except Exception as exc:
-        if not _mismatch(exc):
+        if not recompute_mismatch(exc):
             raise
         return _attempt_once(ctx, site, chosen, check_scale, recompute=False)
-
-
-def _mismatch(exc: BaseException) -> bool:
-    """``exc`` is, or was raised from, a recompute that did not repeat its call."""
-    seen: Optional[BaseException] = exc
-    while seen is not None:
-        if isinstance(seen, RecomputeMismatch):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _attempt_once(ctx: VerifyContext, site: OpSite, chosen: list[str], check_scale: float, recompute: bool
