@@ -4,8 +4,9 @@ Same setting as ``cost_per_module.py --parts failing`` (its ``failing_model`` va
 hand large blocks back): a warm-up of a plain step and of a diagnose, then the measured diagnose, with the RSS
 high-water mark (``VmHWM``) read and reset at every phase boundary. A phase is a pass (``Session.run``, named by
 its purpose and options), the parameter statistics, the state guard's snapshot and restore, or "between" (the
-orchestration, analysis and recommendations around them). Each row: the phase's peak over the RSS before the
-diagnose, and the RSS it leaves behind.
+orchestration, analysis and recommendations around them). Each row: the RSS a pass starts from (after
+the host heap's free pages went back), the phase's peak, and the RSS it leaves behind, all over the RSS before the
+diagnose.
 
     python benchmarks/failing_memory.py                     # both variants, a fresh process each
     python benchmarks/failing_memory.py --variant "hidden overflow"
@@ -23,6 +24,7 @@ import contextlib
 import ctypes
 import functools
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -63,10 +65,12 @@ class Phases:
         self.rows: list[tuple[str, float, float]] = []
         self.on = False
         self.profiling = False
+        self.starts: list[float] = []
 
     def start(self) -> None:
         self.base = _kib("VmRSS")
         self.rows.clear()
+        self.starts.clear()
         self.label, self.on = "between", True
         _reset_hwm()
 
@@ -125,6 +129,14 @@ def instrument() -> None:
     from ampdoctor.capture import session, state
 
     _wrap(session.Session, "run", _pass_name)
+    real_trim = session.trim_host_heap
+
+    def trim() -> bool:  # the resident size each pass starts from, after the heap's free pages went back
+        done = real_trim()
+        PHASES.starts.append((_kib("VmRSS") - PHASES.base) / 1024)
+        return done
+
+    session.trim_host_heap = trim
     _wrap(api, "capture_params", lambda *a, **k: "parameter statistics")
     _wrap(state.StateGuard, "__init__", lambda *a, **k: "state guard: snapshot")
     _wrap(state.StateGuard, "restore", lambda *a, **k: "state guard: restore")
@@ -282,11 +294,13 @@ def worker(variant: str, profile: bool = False, top: int = 12) -> None:
         report = diagnose()
         PHASES.stop()
     print(f"## {variant}: {report.verdict}; plain step peak +{plain:.2f} MiB (budget 1.25x: {1.25 * plain:.2f})")
-    print(f"{'phase':60s} {'peak MiB':>9s} {'after':>7s}")
+    print(f"{'phase':52s} {'start MiB':>9s} {'peak MiB':>9s} {'after':>7s}")
+    starts = iter(PHASES.starts)
     for label, peak, after in PHASES.rows:
         flag = "  <-- over" if peak > 1.25 * plain else ""
-        print(f"{label:60s} {peak:9.2f} {after:7.2f}{flag}")
-    print(f"{'whole diagnose':60s} {max(p for _, p, _ in PHASES.rows):9.2f}  = "
+        start = f"{next(starts, math.nan):9.2f}" if label.startswith("pass:") else " " * 9
+        print(f"{label:52s} {start} {peak:9.2f} {after:7.2f}{flag}")
+    print(f"{'whole diagnose':72s} {max(p for _, p, _ in PHASES.rows):9.2f}  = "
           f"{max(p for _, p, _ in PHASES.rows) / plain:.2f}x the plain step")
     if profile:
         analyse_profile(prof, [label for label, _, _ in PHASES.rows], top)
