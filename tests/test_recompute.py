@@ -201,3 +201,28 @@ def test_the_float32_fallback_is_verified_with_recomputed_calls(monkeypatch: pyt
         assert made[1].calls == 0 and any("injected" in p.reason for p in report.run.passes if p.status == "failed")
     else:
         assert all(p.status == "ran" for p in report.run.passes)
+
+
+def test_where_saved_tensor_hooks_are_disabled_the_call_runs_as_it_is() -> None:
+    torch.manual_seed(0)
+    model, x = Kept(8), torch.randn(4, 8)
+    with Recomputed(model, [""]) as held, torch.autograd.graph.disable_saved_tensors_hooks("a wrapper's own"):
+        out = model(x)
+        assert not model.inner.expired()  # kept by the graph, as without Recomputed
+        _loss(out).backward()
+    assert (held.calls, held.reruns) == (0, 0)
+
+
+def test_a_named_module_inside_another_is_recomputed_with_it() -> None:
+    torch.manual_seed(0)
+    model, x = Sensors(Clamped), _readings()
+    names = ["blocks.0", "blocks.0.attn", "blocks.1.attn"]
+    with Fp32Op(model, names, "matmul", 0) as helper, Recomputed(model, names, helper.replay) as held:
+        patched = {n for n, m in model.named_modules() if "forward" in m.__dict__}
+        assert patched == {"blocks.0", "blocks.1.attn"}
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        _loss(out).backward()
+        assert (held.calls, held.reruns) == (2, 2)
+        assert (helper.calls, helper.hits, helper.misses) == (3, 2, 1)  # blocks.0's own code has no matmul
+    assert not any("forward" in m.__dict__ for m in model.modules())

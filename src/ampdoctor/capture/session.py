@@ -98,7 +98,8 @@ class Session:
         backward that never comes: its peak is the forward's live tensors, not the whole graph's. A forward that
         runs a backward of its own inside needs them: it raises :class:`NeededSaved`, and the pass runs again
         keeping them. The survey is left as it is."""
-        if spec.backward or self.survey is None:
+        allowed = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+        if spec.backward or self.survey is None or (allowed is not None and not allowed()):
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked)
 

@@ -48,6 +48,12 @@ def recompute_mismatch(exc: BaseException) -> bool:
     return False
 
 
+def hooks_allowed() -> bool:
+    """Saved-tensor hooks may be installed here (a wrapper such as FSDP can disable them)."""
+    allowed = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return True if allowed is None else bool(allowed())
+
+
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
 
@@ -143,8 +149,8 @@ class Recomputed:
 
     def _wrap(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
         def recomputed_forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
+            if not torch.is_grad_enabled() or not hooks_allowed():
+                return forward(*args, **kwargs)  # nothing saved, or saved-tensor hooks refused here: as it is
             autocast, rng = _autocast_state(), RngState.capture()
 
             def rerun(keep: Callable[[torch.Tensor], Any]) -> None:
