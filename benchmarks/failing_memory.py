@@ -129,14 +129,15 @@ def instrument() -> None:
     from ampdoctor.capture import session, state
 
     _wrap(session.Session, "run", _pass_name)
-    real_trim = session.trim_host_heap
+    real_trim = getattr(session, "trim_host_heap", None)  # absent before the trim between passes
 
     def trim() -> bool:  # the resident size each pass starts from, after the heap's free pages went back
-        done = real_trim()
+        done = real_trim() if real_trim is not None else False
         PHASES.starts.append((_kib("VmRSS") - PHASES.base) / 1024)
         return done
 
-    session.trim_host_heap = trim
+    if real_trim is not None:
+        session.trim_host_heap = trim
     _wrap(api, "capture_params", lambda *a, **k: "parameter statistics")
     _wrap(state.StateGuard, "__init__", lambda *a, **k: "state guard: snapshot")
     _wrap(state.StateGuard, "restore", lambda *a, **k: "state guard: restore")
