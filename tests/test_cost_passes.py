@@ -79,12 +79,15 @@ def test_a_bottom_at_scale_one_predicted_with_a_margin_needs_no_re_run() -> None
     # C = 1.5 * [2**-4, 2**-6, 2**-8, 2**4]: the top is 2048 again (24 * S), and even at scale 1 the smallest
     # gradient 1.5 * 2**-8 is far above float16's flush threshold 2**-25: scale 1 is predicted to lose nothing,
     # weights and the output gradient alike, so the window needs no second re-run.
+    # Measured (scale_window=True): the top confirmed by one re-run, which is also the underflow reference.
     report = ampdoctor.diagnose(Counted(), X, loss_fn=_weighted([1.5 * 2.0**-4, 1.5 * 2.0**-6, 1.5 * 2.0**-8, 24.0]),
-                                scale=32.0)
+                                scale=32.0, scale_window=True)
     assert _passes(report) == [("survey", 32.0, "float16", "ran"), ("underflow reference", 2048.0, "float16", "ran")]
     window = report.findings.window
     assert window is not None and (window.min_useful, window.max_safe) == (1.0, 2048.0)
     assert window.reference.endswith("scale 1 predicted to lose under 0.1%, not re-run")
+    under = report.findings.underflow
+    assert under is not None and (under.lost, under.reference_nonzero) == (0, 256)
 
 
 def test_where_activations_outweigh_the_gradients_each_probe_runs_its_own_forward() -> None:

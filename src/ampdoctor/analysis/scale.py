@@ -105,6 +105,12 @@ def exponent_of(scale: float) -> Optional[int]:
     return exponent - 1 if mantissa == 0.5 else None
 
 
+def low_precision_modules(trace: PassTrace, limits: FormatLimits) -> set[str]:
+    """The modules with a call returning a tensor in the low precision: their parameter gradients are computed in it
+    (a Linear under autocast: its weight gradient is the float16 result of a matmul, cast to float32 after)."""
+    return {c.module for c in trace.calls if any(r.stats.dtype == limits.dtype for r in c.outputs)}
+
+
 def predicted_top(trace: PassTrace, limits: FormatLimits, modules: Sequence[ModuleInfo] = ()) -> int:
     """The exponent of the largest power-of-two scale at which the largest recorded low-precision gradient of
     ``trace`` stays below the overflow threshold (exact: a power of two scales it exactly).
@@ -112,7 +118,7 @@ def predicted_top(trace: PassTrace, limits: FormatLimits, modules: Sequence[Modu
     Low-precision gradients are those held in the format, and the parameter gradients of modules that ran in it
     (a Linear under autocast: its weight gradient is the float16 result of a matmul, cast to float32 after).
     """
-    low_modules = {c.module for c in trace.calls if any(r.stats.dtype == limits.dtype for r in c.outputs)}
+    low_modules = low_precision_modules(trace, limits)
     owners = param_owners(modules)
     largest = 0.0
     for e in trace.grad_events:
@@ -381,7 +387,7 @@ def margin_scale(max_safe: float, margin_bits: float) -> float:
 def gradient_headroom(trace: PassTrace, limits: FormatLimits, modules: Sequence[ModuleInfo] = ()) -> float:
     """Bits between the largest low-precision gradient of ``trace`` as held (times its scale) and the format's
     max (the gradients ``predicted_top`` looks at); inf when none is recorded, -inf when one is non-finite."""
-    low_modules = {c.module for c in trace.calls if any(r.stats.dtype == limits.dtype for r in c.outputs)}
+    low_modules = low_precision_modules(trace, limits)
     owners = param_owners(modules)
     largest = 0.0
     for e in trace.grad_events:
