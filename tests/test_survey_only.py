@@ -192,3 +192,47 @@ def test_sentinels_alone_get_their_window_after_the_classification() -> None:
         "backward at scale 32768, the largest finite; scale 1 predicted to lose under 0.1%, not re-run"
     )
     assert not any(n.startswith("loss-scale window not measured") for n in report.run.notes)
+
+
+class Wide(nn.Linear):
+    """A Linear(64 -> 20) with weight 1/64 that counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__(64, 20, bias=False)
+        with torch.no_grad():
+            self.weight.fill_(1 / 64)
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        return super().forward(x)
+
+
+# 256 rows of ones through Wide: out = 1. The loss weights unit i by c_i / 256, so each row's float16 output
+# gradient is c_i / 256 * S and unit i's 64 weight gradients are c_i * S (the sum of the 256 rows).
+#   c_0 = 24: 24 * S fits up to S = 2048 (the top); units 1-18: 1.5 * 2**-4, never lost;
+#   unit 19: 1.5 * 2**-20: its weight gradient 1.5 * 2**-20 * S never flushes, but each row's 1.5 * 2**-28 * S
+#   flushes at S <= 4 (1.5 * 2**-26 < 2**-25), so its 64 weights (5 % of 1280) are lost below 8.
+WIDE = [24.0] + [1.5 * 2.0**-4] * 18 + [1.5 * 2.0**-20]
+
+
+def test_a_flush_only_activation_gradients_show_is_confirmed_and_searched_upwards() -> None:
+    # The parameter histograms at 2048 see nothing lost even at scale 1; the output gradient's histogram shows 5 %
+    # of its values lost at 1, 2 and 4: not enough to call them useless (10 %), too much to skip the bottom's
+    # re-run (1 %). Scale 1 is re-run and loses 5 %; the search goes up 1, then 2 exponents (2 loses, 8 keeps),
+    # and bisects the last step (4 loses): the bottom is 8. (Skipped, the window would have said 1.)
+    model = Wide()
+    weights = torch.tensor(WIDE) / 256
+    report = ampdoctor.diagnose(model, torch.ones(256, 64), loss_fn=lambda out, _: (out.float() * weights).sum(),
+                                scale=32.0)
+    assert [(p.purpose, p.scale) for p in report.run.passes] == [
+        ("survey", 32.0), ("underflow reference", 2048.0),
+        ("loss-scale window", 1.0), ("loss-scale window", 2.0), ("loss-scale window", 8.0),
+        ("loss-scale window", 4.0),
+    ]
+    window = report.findings.window
+    assert window is not None and (window.min_useful, window.max_safe) == (8.0, 2048.0)
+    lost = {p.scale: p.lost_share for p in window.probes if p.gradients_finite}
+    assert lost == {1.0: 64 / 1280, 2.0: 64 / 1280, 4.0: 64 / 1280, 8.0: 0.0, 32.0: 0.0, 2048.0: 0.0}
+    assert window.module_min_useful == {"": 8.0}
+    assert report.verdict == "healthy"  # the used scale 32 keeps every value

@@ -32,7 +32,7 @@ from .findings import ScaleWindow, WindowProbe
 from .origin import param_owners
 from .scale import (
     CONFIDENT,
-    GRADIENTS_LOSING,
+    CONFIDENT_GRADIENTS,
     MAX_WINDOW_EXPONENT,
     Histograms,
     LossPrediction,
@@ -115,7 +115,7 @@ def predicted_window(
     Top: the largest power of two at which the largest recorded low-precision gradient stays finite (that the next
     one overflows is exact; that this one holds assumes no unrecorded intermediate overflows first). Bottom: scale
     1, only when the histograms predict it loses under ``CONFIDENT`` of the window's 1 % and the low-precision
-    gradients together under ``GRADIENTS_LOSING`` of theirs (the rule the measured window uses too)."""
+    gradients together under ``CONFIDENT_GRADIENTS`` of theirs (the rule the measured window uses too)."""
     u = exponent_of(survey.scale)
     if u is None or u < 0 or not histograms or not survey.backward_ran or not survey.healthy():
         return None
@@ -128,7 +128,7 @@ def predicted_window(
     for name, stats in survey.param_grads().items():
         by_module[owners.get(name, name)] += stats.nonzero_count or 0
     total = sum(by_module.values())
-    if not total or prediction.lost(0) > SKIP_SHARE * total or prediction.gradient_share(0) >= GRADIENTS_LOSING:
+    if not total or prediction.lost(0) > SKIP_SHARE * total or prediction.gradient_share(0) >= CONFIDENT_GRADIENTS:
         return None
     per_module: dict[str, float] = {}
     for info in modules:
