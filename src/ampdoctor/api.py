@@ -99,7 +99,8 @@ def diagnose(
             gradient values): predicted from the gradients of one backward, both ends confirmed by re-runs
             (``True``). ``"auto"`` (default) takes the survey's own prediction without a re-run when it is
             confident (top by exact arithmetic on the largest recorded gradient, scale 1 predicted to lose under
-            0.1 %; the report says "not re-run"), and leaves the window out when the forward makes inf/NaN that a
+            0.1 % of the parameter-gradient values and the low-precision gradients under 1 % of theirs; the report
+            says "not re-run"), and leaves the window out when the forward makes inf/NaN that a
             later op hides (a hidden overflow: the step's gradients change with the remedy; a note says so).
             ``False``: no window.
         underflow_reference: ``"auto"`` (default) runs the reference backward that counts gradient values lost
