@@ -44,7 +44,12 @@ def test_no_zero_gradient_and_a_clear_band_skip_the_reference_and_the_window_re_
     assert window.reference.startswith("predicted from the survey at scale 32, not re-run")
     assert [(p.scale, p.gradients_finite) for p in window.probes] == [(4096.0, False)]  # by arithmetic
     assert window.module_min_useful == {"": 1.0}
-    assert ampdoctor.Report.from_json(report.to_json()).to_json() == report.to_json()
+    assert not window.measured
+    assert "by arithmetic on the survey's records, not re-run: 4096:inf" in report.to_text()
+    assert "measured at" not in report.to_text()
+    again = ampdoctor.Report.from_json(report.to_json())
+    assert again.to_json() == report.to_json() and again.findings.window is not None
+    assert not again.findings.window.measured
 
 
 def test_always_runs_the_reference_and_finds_what_the_survey_predicted() -> None:
@@ -55,6 +60,7 @@ def test_always_runs_the_reference_and_finds_what_the_survey_predicted() -> None
     window = report.findings.window
     assert window is not None and (window.min_useful, window.max_safe) == (1.0, 2048.0)
     assert not any(n.startswith("underflow reference not run") for n in report.run.notes)
+    assert window.measured and "measured at" in report.to_text()
 
 
 def test_never_counts_nothing_and_says_so() -> None:

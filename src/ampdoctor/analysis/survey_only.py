@@ -150,6 +150,7 @@ def predicted_window(
             f"arithmetic on its largest {limits.dtype} gradient, the bottom from its binade histograms (scale 1 "
             f"predicted to lose under {SKIP_SHARE:.1%}); scale_window=True confirms both ends by re-runs"
         ),
+        measured=False,
     )
 
 
