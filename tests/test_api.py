@@ -253,7 +253,8 @@ def test_gradient_underflow_counts_match_an_fp32_reference() -> None:
 def test_healthy_relu_net_reports_no_underflow() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    report = run(model, torch.randn(8, 16), loss_fn=lambda out, _: out.float().pow(2).mean())
+    report = run(model, torch.randn(8, 16), loss_fn=lambda out, _: out.float().pow(2).mean(),
+                 underflow_reference="always")
     assert report.verdict == "healthy"
     assert report.forward_origin is None and report.backward_origin is None
     under = report.findings.underflow

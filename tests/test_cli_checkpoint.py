@@ -368,3 +368,31 @@ def test_review_fixes_wrapper_names_partial_loads_and_bad_inputs(tmp_path, capsy
     assert main(["diagnose", str(ckpt), "--model", "ampdoctor.demo:DemoTransformer", "--input-shape", "2x8",
                  "--input-dtype", "complex64"]) == 2
     assert "--input-dtype 'complex64' is not a real" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("choice", ["auto", "always", "never"])
+def test_diagnose_passes_underflow_reference_through(
+    demo_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], choice: str
+) -> None:
+    import ampdoctor.api
+
+    seen: dict[str, object] = {}
+    real = ampdoctor.api.diagnose
+
+    def spy(*args: object, **kwargs: object) -> Report:
+        seen.update(kwargs)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ampdoctor.api, "diagnose", spy)  # the command imports it when it runs
+    argv = ["diagnose", str(demo_files["ckpt"]), "--model", DEMO_FACTORY, "--batch", str(demo_files["batch"])]
+    assert main([*argv, "--underflow-reference", choice, "--format", "json"]) == 1
+    assert seen["underflow_reference"] == choice
+    capsys.readouterr()
+
+
+def test_diagnose_rejects_an_unknown_underflow_reference(
+    demo_files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["diagnose", str(demo_files["ckpt"]), "--model", DEMO_FACTORY, "--underflow-reference", "sometimes"]
+    assert main(argv) == 2
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err

@@ -108,3 +108,23 @@ def test_missing_pandas_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "pandas", None)  # makes "import pandas" raise ImportError
     with pytest.raises(AmpDoctorError, match=r"pip install 'ampdoctor\[notebook\]'"):
         overflow_report().to_dataframe()
+
+
+def test_op_peaks_are_columns_of_the_calls_output_rows() -> None:
+    """The scores inside an attention (larger than its inputs and outputs) show on that call's output rows only."""
+    from test_story import TOKENS, Siblings
+
+    import ampdoctor
+
+    report = ampdoctor.diagnose(Siblings(), TOKENS, loss_fn=lambda out, _: out.mean() * 1e-3, device_type="cpu",
+                                verify=False)
+    frame = to_dataframe(report)
+    peaks = frame[frame.op_peak.notna()]
+    assert set(peaks.kind) == {"output"}
+    by_module = peaks.groupby("module").op_peak_abs_max.first().to_dict()
+    assert by_module["blocks.1"] == 49984.0
+    row = peaks[peaks.module == "blocks.1"].iloc[0]
+    assert row.op_peak == "matmul#0"
+    assert row.op_peak_headroom_bits == pytest.approx(math.log2(65504 / 49984))
+    assert frame[frame.kind != "output"].op_peak_abs_max.isna().all()
+    assert frame.op_peak_abs_max.dtype == "float64"

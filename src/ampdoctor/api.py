@@ -23,6 +23,7 @@ from ._version import __version__
 from .analysis import Findings, ScaleFinding, ScaleWindow, UnderflowFinding, analyze, forward_origin, near_limit
 from .analysis.policy_check import checked_policy_notes
 from .analysis.scale import Runner, measure_window, probe_scales, underflow_reference
+from .analysis.survey_only import deferred_window_note, settle_from_survey
 from .autocast_ops import autocast_note
 from .capture.checks import (
     backward_note,
@@ -66,7 +67,7 @@ def diagnose(
     scale: Optional[float] = None,
     fp32_reference: bool = False,
     verify: bool = True,
-    scale_window: bool = True,
+    scale_window: Union[bool, str] = "auto",
     reference: Union[bool, int] = False,
     policy: Optional[str] = None,
     memory_limit: Union[None, int, str] = None,
@@ -74,6 +75,7 @@ def diagnose(
     margin_bits: float = MARGIN_BITS,
     verify_steps: int = 0,
     optimizer: Optional[torch.optim.Optimizer] = None,
+    underflow_reference: str = "auto",
 ) -> Report:
     """Run instrumented AMP steps on ``model`` and ``batch`` and say where and why they break.
 
@@ -94,7 +96,20 @@ def diagnose(
             once with autocast off for that (memory: the activations in float32), and uses it for the loss-scale
             window too.
         scale_window: the window of useful loss scales (largest without overflow, smallest losing < 1 % of
-            gradient values): predicted from the gradients of one backward, both ends confirmed by re-runs.
+            gradient values): predicted from the gradients of one backward, both ends confirmed by re-runs
+            (``True``). ``"auto"`` (default) takes the survey's own prediction without a re-run when it is
+            confident (top by exact arithmetic on the largest recorded gradient, scale 1 predicted to lose under
+            0.1 % of the parameter-gradient values and the low-precision gradients under 1 % of theirs; the report
+            says "not re-run"), and leaves the window out when the forward makes inf/NaN that a
+            later op hides (a hidden overflow: the step's gradients change with the remedy; a note says so).
+            ``False``: no window.
+        underflow_reference: ``"auto"`` (default) runs the reference backward that counts gradient values lost
+            to underflow (at the largest finite scale) unless the survey's own gradients show it would find
+            almost nothing: the parameter gradients computed in the low precision hold under 0.1 % zeros, and the
+            binade histograms put under 0.1 % of values within 8 binades (or the distance to the largest finite
+            scale, if more) above the format's flush threshold; the report's notes name that evidence.
+            ``"always"`` runs it whenever a larger finite scale exists; ``"never"`` skips it (no underflow
+            finding). See :mod:`ampdoctor.analysis.survey_only`.
         reference: compare each leaf call (``True``) or each call ``n`` levels down (an int) against a float32
             re-run of that call alone on its own inputs: relative error, SQNR, forward underflow. Never runs the
             whole model in float32.
@@ -123,8 +138,8 @@ def diagnose(
             hyperparameters (``optimizer.defaults``) on the copy; never stepped itself. Default: AdamW(lr=1e-3).
 
     Every keyword is checked before anything runs: a value of the wrong type or range (``scale=True``,
-    ``memory_limit=-1``, ``reference=-3``, ``loss_fn=3``) raises :class:`ampdoctor.InvalidInput` naming the keyword,
-    the value and what it takes.
+    ``memory_limit=-1``, ``reference=-3``, ``loss_fn=3``, ``underflow_reference="sometimes"``) raises
+    :class:`ampdoctor.InvalidInput` naming the keyword, the value and what it takes.
 
     Nothing the user owns changes (see the README's promises): parameters, buffers, ``.grad`` fields,
     ``training`` flags, RNG states and the scaler are as before, a backward the user built before the call still
@@ -134,7 +149,7 @@ def diagnose(
         loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler, backward=backward, scale=scale,
         fp32_reference=fp32_reference, verify=verify, scale_window=scale_window, reference=reference,
         policy=policy, memory_limit=memory_limit, progress=progress, margin_bits=margin_bits,
-        verify_steps=verify_steps, optimizer=optimizer,
+        verify_steps=verify_steps, optimizer=optimizer, underflow_reference=underflow_reference,
     )
     check_batch(batch)
     root, notes = unwrap_model(model)
@@ -228,24 +243,39 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
 
     runner = Runner(run, fp32_reference)
     runner.seed(survey, session.histograms)
+    survey_histograms = session.histograms
     scale_finding: Optional[ScaleFinding] = None
     underflow: Optional[UnderflowFinding] = None
     window: Optional[ScaleWindow] = None
+    pass_notes: list[str] = []
+    reference_note = ""
+    # A hidden overflow (an op made inf/NaN that a later op hid) makes the step's gradients those of a forward the
+    # remedy changes: the window waits for the detailed re-run's classification (sentinels alone do not count).
+    window_deferred = options.scale_window == "auto" and bool(survey.op_overflows)
+    measure = lambda: measure_window(runner, survey, modules, limits)  # noqa: E731
     if origin is None and survey.backward_ran:
         if not survey.gradients_finite():
             scale_finding = session.optional(
                 "scale probe", lambda: probe_scales(runner, survey, modules, limits), None
             )
         else:
-            underflow = session.optional(
-                "underflow reference", lambda: underflow_reference(runner, survey, modules, limits), None
+            wanted = False if window_deferred else options.scale_window
+            window, reference_note = settle_from_survey(
+                survey, survey_histograms, modules, limits, options.underflow_reference, options.fp32_reference, wanted
             )
-        if options.scale_window and (
-            survey.gradients_finite() or (scale_finding is not None and scale_finding.largest_finite_scale)
+            if reference_note:
+                pass_notes.append(reference_note)
+            else:
+                underflow = session.optional(
+                    "underflow reference", lambda: underflow_reference(runner, survey, modules, limits), None
+                )
+        if (
+            window is None
+            and options.scale_window
+            and not window_deferred
+            and (survey.gradients_finite() or (scale_finding is not None and scale_finding.largest_finite_scale))
         ):
-            window = session.optional(
-                "loss-scale window", lambda: measure_window(runner, survey, modules, limits), None
-            )
+            window = session.optional("loss-scale window", measure, None)
     session.share.release()  # the probes' graph goes before any other pass runs
     final = survey
     if (
@@ -266,6 +296,13 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
         # Without the detailed re-run the report stands on the survey (no op zoom, survey-level counts).
         final = session.optional("detail and op zoom", detail, survey)
         modules = capture_params(spec, named)
+    if window_deferred and window is None and origin is None and survey.backward_ran and survey.gradients_finite():
+        hidden = [o for o in final.op_overflows if o.count != 0]
+        if hidden:
+            pass_notes.append(deferred_window_note(hidden))
+        else:  # sentinels only: the step is what it is, and its window counts
+            window = session.optional("loss-scale window", measure, None)
+            session.share.release()
     notes: list[str] = []
     if session.loss_sources[0] == "surrogate" and survey.backward_ran:
         notes.append(
@@ -273,7 +310,8 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
             "floating outputs); pass loss_fn= for the real gradients"
         )
     notes += [n for n in final.notes if n not in notes]
-    notes += _cost_notes(session, survey, underflow, fp32_reference, scale_finding)
+    notes += pass_notes
+    notes += _cost_notes(session, survey, underflow, fp32_reference, scale_finding, bool(reference_note))
     emulated = spec.policy == "cuda_emulated"
     run_info = RunInfo(
         torch_version=torch.__version__,
@@ -362,6 +400,7 @@ def _cost_notes(
     underflow: Optional[UnderflowFinding],
     fp32_reference: bool,
     scale_finding: Optional[ScaleFinding],
+    reference_skipped: bool = False,
 ) -> list[str]:
     """What the report leaves out to stay within one step's memory and a few steps' time, and how to get it."""
     notes = []
@@ -381,6 +420,8 @@ def _cost_notes(
             else f"gradient values lost to underflow are counted against the backward at the largest finite {low} "
             "scale"
         )
+        if reference_skipped:  # the note naming the evidence says what was counted
+            what = "gradient values lost to underflow were not counted by a reference backward"
         notes.append(
             f"{what}; values too small for {low} at every scale show only against a float32 backward: "
             f"fp32_reference=True adds one float32 step (about +{describe(pass_estimate(survey, 'float32'))} here)"
@@ -391,7 +432,7 @@ def _cost_notes(
 def _survey(session: Session, used_scale: float, reference: Union[bool, int]) -> PassTrace:
     """The first pass. With ``reference`` it also re-runs calls in float32; a module that cannot run in float32
     (a float16-only kernel) costs the comparisons, not the diagnosis."""
-    plain = PassOptions(histograms=1)
+    plain = PassOptions(histograms=2)  # every low-precision gradient's too: what the survey alone can settle
     if reference is False:
         return session.run(used_scale, plain)
     with session.stage("survey with float32 references"):

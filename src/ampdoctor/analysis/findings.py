@@ -133,6 +133,9 @@ class ScaleWindow:
     probes: tuple[WindowProbe, ...]
     module_min_useful: FrozenMap[str, float]  # per module with parameters: smallest probed scale losing < 1 %
     reference: str
+    # False when predicted from the survey alone (``scale_window="auto"``): the probes are then arithmetic on the
+    # survey's records, not re-runs.
+    measured: bool = True
 
     @property
     def empty(self) -> bool:

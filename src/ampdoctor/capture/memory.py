@@ -8,7 +8,10 @@ estimated peak does not fit is skipped before it runs.
 
 from __future__ import annotations
 
-from typing import Optional
+import ctypes
+import ctypes.util
+import functools
+from typing import Any, Optional
 
 import torch
 
@@ -29,6 +32,32 @@ def is_out_of_memory(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Optional[Any]:
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, Windows, musl)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def trim_host_heap() -> bool:
+    """Hand the host heap's free pages back to the system (glibc's ``malloc_trim(0)``; a few milliseconds).
+
+    A pass makes and frees thousands of small tensors and records; the C heap keeps the freed pages, scattered
+    between live blocks, so without this every pass of a diagnosis would start from a higher resident size than
+    the last, and its own peak (the step's activations, allocated afresh) would add on top. Returns whether the
+    C library could do it (False elsewhere: nothing is done)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def available_bytes(device_type: str) -> Optional[int]:

@@ -105,6 +105,11 @@ def check_path(keyword: str, value: Any) -> Any:
     return value
 
 
+# underflow_reference=: "auto" runs the reference backward unless the survey's own gradients show it could find
+# nothing (analysis.survey_only); "always" runs it whenever a larger finite scale exists; "never" does not.
+PASS_POLICIES = ("auto", "always", "never")
+
+
 @dataclass(frozen=True)
 class DiagnoseOptions:
     """Every keyword of ``ampdoctor.diagnose`` (same names, same defaults), checked once when built.
@@ -121,7 +126,7 @@ class DiagnoseOptions:
     scale: Optional[float] = None
     fp32_reference: bool = False
     verify: bool = True
-    scale_window: bool = True
+    scale_window: Union[bool, str] = "auto"
     reference: Union[bool, int] = False
     policy: Optional[str] = None
     memory_limit: Union[None, int, str] = None
@@ -129,6 +134,7 @@ class DiagnoseOptions:
     margin_bits: float = MARGIN_BITS
     verify_steps: int = 0
     optimizer: Any = None
+    underflow_reference: str = "auto"
 
     def __post_init__(self) -> None:
         if not (is_int(self.verify_steps) and 0 <= self.verify_steps <= 10_000):
@@ -146,8 +152,13 @@ class DiagnoseOptions:
             raise refuse("device_type", self.device_type, 'a device type such as "cuda" or "cpu", or None')
         if self.scaler is not None and not callable(getattr(self.scaler, "get_scale", None)):
             raise refuse("scaler", self.scaler, "a GradScaler (torch.amp.GradScaler: with get_scale()), or None")
-        for name in ("backward", "fp32_reference", "verify", "scale_window"):
+        for name in ("backward", "fp32_reference", "verify"):
             check_bool(name, getattr(self, name))
+        window = self.scale_window
+        if not (isinstance(window, bool) or (isinstance(window, str) and window == "auto")):
+            raise refuse("scale_window", self.scale_window, '"auto", True or False')
+        if not (isinstance(self.underflow_reference, str) and self.underflow_reference in PASS_POLICIES):
+            raise refuse("underflow_reference", self.underflow_reference, '"auto", "always" or "never"')
         scale = self.scale
         if scale is not None and not (
             isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0

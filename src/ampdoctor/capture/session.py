@@ -15,7 +15,7 @@ from ..errors import OutOfMemory
 from ..records import PassRecord, PassTrace
 from .dtypes import dtype_name
 from .hidden import targets_of
-from .memory import describe, is_out_of_memory, pass_estimate
+from .memory import describe, is_out_of_memory, pass_estimate, trim_host_heap
 from .options import PLAIN_PASS, PassOptions, ProgressFn, ProgressOption
 from .passes import PassSpec, SharedForward, run_pass
 from .progress import Progress, progress_on_stderr
@@ -66,11 +66,18 @@ class Session:
         self._check_memory(record, options.detailed, options.autocast, survey_level)
         if self.progress is not None:
             self.progress(self.purpose, len(self.log), None)
+        # What the last pass freed goes back to the system first: each pass starts where the first one did.
+        trim_host_heap()
         start = time.perf_counter()
+        options = self._with_targets(options, dtype)
         try:
-            trace, source = run_pass(
-                spec, at_scale, self._with_targets(options, dtype), self.guard, share=self.share, keep=keep
-            )
+            try:
+                with self._forward_only(spec):
+                    trace, source = run_pass(spec, at_scale, options, self.guard, share=self.share, keep=keep)
+            except Exception as exc:
+                if not _raised_from(exc, NeededSaved):
+                    raise
+                trace, source = run_pass(spec, at_scale, options, self.guard, share=self.share, keep=keep)
         except Exception as exc:
             self.share.release()
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
@@ -85,6 +92,16 @@ class Session:
         if self.survey is None:
             self.survey = trace
         return trace
+
+    def _forward_only(self, spec: PassSpec) -> contextlib.AbstractContextManager[object]:
+        """An optional pass without backward (the CUDA-policy check of a forward origin) keeps no tensor for a
+        backward that never comes: its peak is the forward's live tensors, not the whole graph's. A forward that
+        runs a backward of its own inside needs them: it raises :class:`NeededSaved`, and the pass runs again
+        keeping them. The survey is left as it is."""
+        allowed = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+        if spec.backward or self.survey is None or (allowed is not None and not allowed()):
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked)
 
     def _with_targets(self, options: PassOptions, dtype: Optional[torch.dtype]) -> PassOptions:
         """A detailed re-run counts, classifies and locates the ops the survey flagged (same forward, same ops
@@ -128,6 +145,27 @@ class Session:
                     reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
                     self.log.append(PassRecord(purpose, 0.0, "", "failed", reason))
         return fallback
+
+
+def _dropped(tensor: torch.Tensor) -> None:
+    return None
+
+
+class NeededSaved(RuntimeError):
+    """A pass that kept no tensors for a backward met one (the model's forward ran a backward of its own)."""
+
+
+def _never_unpacked(packed: object) -> torch.Tensor:
+    raise NeededSaved("the model's forward ran a backward of its own in a pass that kept no tensors for one")
+
+
+def _raised_from(exc: BaseException, kind: type[BaseException]) -> bool:
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _out_of_memory(reason: str) -> OutOfMemory:

@@ -124,6 +124,14 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
         "headroom below the format's max in the re-run (default: 1, i.e. 2x)",
     )
     parser.add_argument(
+        "--underflow-reference",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="the backward that counts gradient values lost to underflow: auto (default) skips it when the "
+        "survey's own gradients show it would find almost nothing (the report's notes say so), always runs it, "
+        "never runs it",
+    )
+    parser.add_argument(
         "--verify-steps",
         type=int,
         default=0,
@@ -252,6 +260,7 @@ def _run_diagnose(args: argparse.Namespace, plan: DiagnoseInputs, globals_: list
                 progress=progress,
                 margin_bits=args.margin_bits,
                 verify_steps=args.verify_steps,
+                underflow_reference=args.underflow_reference,
             )
     except ModelRaised as exc:
         if exc.stage != "forward":

@@ -19,8 +19,9 @@ upcast call's source line), and :attr:`Fp32Op.misses` counts module calls in whi
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Callable, Optional
@@ -119,6 +120,7 @@ class _ScopedOps:
         self.stack: list[_Frame] = []
         self._mode = _Mode(self)
         self._on_stack = False
+        self.replaying = False  # a re-run of a call (a recompute during backward): its ops are not counted
         self._handles: list[RemovableHandle] = []
         self._undo: Optional[Callable[[], None]] = None
         self._install(targets)
@@ -150,7 +152,8 @@ class _ScopedOps:
                 self._mode.__enter__()
                 self._on_stack = True
             self.stack.append(_Frame(name))
-            self.calls += 1
+            if not self.replaying:
+                self.calls += 1
 
         return pre_hook
 
@@ -158,7 +161,8 @@ class _ScopedOps:
         if not self.stack:
             return
         frame = self.stack.pop()
-        self.on_call_end(frame)
+        if not self.replaying:
+            self.on_call_end(frame)
         if not self.stack and self._on_stack:
             self._on_stack = False
             self._mode.__exit__(None, None, None)
@@ -170,6 +174,25 @@ class _ScopedOps:
     def _leave_child(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.stack and self.stack[-1].depth > 0:
             self.stack[-1].depth -= 1
+
+    @contextlib.contextmanager
+    def replay(self, name: str) -> Iterator[None]:
+        """A re-run of a call of the named module ``name`` (a recompute during backward, :mod:`.recompute`), its
+        own hooks not running: the same ops are handled as in the call, and nothing is counted."""
+        outer, self.replaying = self.replaying, True
+        entered = not self._on_stack
+        if entered:
+            self._mode.__enter__()
+            self._on_stack = True
+        self.stack.append(_Frame(name))
+        try:
+            yield
+        finally:
+            self.stack.pop()
+            if entered and self._on_stack:
+                self._on_stack = False
+                self._mode.__exit__(None, None, None)
+            self.replaying = outer
 
     # -- what a subclass decides ---------------------------------------------------------------------------------
     def counts(self, func: Any) -> Optional[str]:
@@ -250,9 +273,11 @@ class Fp32Op(_ScopedOps):
     def on_op(self, frame: _Frame, name: str, k: int, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         if k != self.occurrence:
             return func(*args, **kwargs)
-        self.hits += 1
         with torch.autocast(_device_type(args, kwargs), enabled=False):
             out = func(*tree_map(upcast, args), **tree_map(upcast, kwargs))
+        if self.replaying:
+            return out
+        self.hits += 1
         if self.where is not None:  # ampdoctor's verification: the line, and how large the float32 result got
             self.sites.append((frame.module, self.where()))
             if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():

@@ -26,6 +26,7 @@ from .context import VerifyContext
 from .fallback import Fp32Fallback
 from .overflows import describe, made, overflow_free
 from .overflows import hiding as _hiding
+from .recompute import Recomputed, recompute_mismatch
 from .rewrites import FusedLog, ScaleFirst
 from .rewrites_lines import LineRewrite, line_rewrite
 from .rules import rule_of
@@ -143,7 +144,19 @@ def _group(ctx: VerifyContext, module: str, chosen: list[str]) -> list[str]:
 
 
 def _rerun(ctx: VerifyContext, chosen: list[str], check_scale: float) -> tuple[PassTrace, str]:
-    with Fp32Fallback(ctx.root, chosen):
+    """The step re-run with ``chosen`` in float32. Their calls are recomputed in the backward (:mod:`.recompute`):
+    the float32 copies of their inputs and their float32 activations are not held until the backward reaches
+    them. A recompute that does not repeat its call makes the re-run raise: it is run again without."""
+    try:
+        return _rerun_once(ctx, chosen, check_scale, recompute=True)
+    except Exception as exc:
+        if not recompute_mismatch(exc):
+            raise
+        return _rerun_once(ctx, chosen, check_scale, recompute=False)
+
+
+def _rerun_once(ctx: VerifyContext, chosen: list[str], check_scale: float, recompute: bool) -> tuple[PassTrace, str]:
+    with Fp32Fallback(ctx.root, chosen), Recomputed(ctx.root, chosen if recompute else []):
         last = ctx.run(check_scale)
         if last.forward_healthy() and not last.healthy() and check_scale > 1:
             # Gradients that are finite at scale 1 are a loss-scale overflow, which GradScaler handles.

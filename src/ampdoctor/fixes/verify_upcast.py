@@ -12,6 +12,7 @@ occurrence) leaves it unverified, saying why.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -31,6 +32,7 @@ from ..capture.model import find_module
 from ..capture.stats import INTERNAL
 from ..capture.zoom import innermost_user_line
 from ..records import BATCH, LOSS, Cost, FormatLimits, PassTrace, Recommendation, SourceLocation
+from .recompute import Recomputed, recompute_mismatch
 from .rules_upcast import FUSED_FUNCTIONS, HIDDEN_RULE, hidden_site, ordinal, same_site, upcast_snippet
 from .upcast import Fp32Op, _Frame, _ScopedOps
 
@@ -188,16 +190,33 @@ def _misplaced(helper: Fp32Op, site: OpSite) -> list[str]:
 def _attempt(ctx: VerifyContext, site: OpSite, chosen: list[str], check_scale: float
              ) -> tuple[PassTrace, str, tuple[int, int, int, list[str]], dict[str, float]]:
     """One re-run with the op upcast in ``chosen``: the trace, a note, (calls, hits, misses, misplaced), and the
-    largest |result| of the op per module."""
+    largest |result| of the op per module.
+
+    The chosen modules' calls are recomputed in the backward (:mod:`.recompute`): the float32 results the upcast
+    keeps, and those of the ops after it, are held one call at a time instead of all until the backward, so the
+    re-run needs no more memory than the plain step. A call whose re-run does not repeat it (a data-dependent
+    path) makes the re-run raise: it is run again without recomputing."""
+    try:
+        return _attempt_once(ctx, site, chosen, check_scale, recompute=True)
+    except Exception as exc:
+        if not recompute_mismatch(exc):
+            raise
+        return _attempt_once(ctx, site, chosen, check_scale, recompute=False)
+
+
+def _attempt_once(ctx: VerifyContext, site: OpSite, chosen: list[str], check_scale: float, recompute: bool
+                  ) -> tuple[PassTrace, str, tuple[int, int, int, list[str]], dict[str, float]]:
     note = ""
     with Fp32Op(ctx.root, chosen, site.op, site.occurrence) as helper:
         helper.where = innermost_user_line
-        last = _run(ctx, helper, check_scale)
-        if last.forward_healthy() and not last.healthy() and check_scale > 1:
-            at_one = _run(ctx, helper, 1.0)
-            if at_one.healthy():
-                last = at_one
-                note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
+        held = Recomputed(ctx.root, chosen, helper.replay) if recompute else contextlib.nullcontext()
+        with held:
+            last = _run(ctx, helper, check_scale)
+            if last.forward_healthy() and not last.healthy() and check_scale > 1:
+                at_one = _run(ctx, helper, 1.0)
+                if at_one.healthy():
+                    last = at_one
+                    note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
         return last, note, (helper.calls, helper.hits, helper.misses, _misplaced(helper, site)), dict(helper.peaks)
 
 

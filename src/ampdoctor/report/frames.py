@@ -10,7 +10,10 @@ Rows, in this order:
 - ``headroom_bits`` is ``log2(max / abs_max_held)`` for tensors held in the diagnosed format, ``-inf`` for a
   tensor holding inf/NaN (``abs_max`` is then its finite part's largest magnitude), NaN when not measured or
   held in a wider format (a float32 tensor has no float16 headroom to lose);
-- ``"param"``: each module's own parameters.
+- ``"param"``: each module's own parameters;
+- ``op_peak``, ``op_peak_abs_max``, ``op_peak_headroom_bits`` (output rows only): the largest value the call's own
+  low-precision ops made, when it is larger than the call's inputs and outputs show (the scores inside an
+  attention), as in the headroom table's "inside: op peak" column; empty otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .._optional import require
 from ..records import TensorStats
-from .rows import ReportRows, TensorRow
+from .rows import CallRow, ReportRows, TensorRow
 
 if TYPE_CHECKING:
     from .data import ReportData
@@ -51,6 +54,9 @@ COLUMNS = (
     "producer",
     "via_base",
     "origin",
+    "op_peak",
+    "op_peak_abs_max",
+    "op_peak_headroom_bits",
 )
 _COUNT_COLUMNS = (
     "call_index",
@@ -70,7 +76,7 @@ _COUNT_COLUMNS = (
 )
 
 
-def _row(row: TensorRow) -> dict[str, Any]:
+def _row(row: TensorRow, call: Optional[CallRow] = None) -> dict[str, Any]:
     stats = row.stats
     out: dict[str, Any] = {name: getattr(stats, name) for name in STAT_COLUMNS}
     out.update(
@@ -98,6 +104,12 @@ def _row(row: TensorRow) -> dict[str, Any]:
         via_base=row.via_base,
         origin=row.origin,
     )
+    peak = call.op_peak if call is not None else None
+    out.update(
+        op_peak=f"{peak.op}#{peak.occurrence}" if peak is not None else None,
+        op_peak_abs_max=peak.abs_max if peak is not None else None,
+        op_peak_headroom_bits=call.op_headroom_bits if peak is not None and call is not None else None,
+    )
     return out
 
 
@@ -108,7 +120,10 @@ def frame_rows(report: ReportData) -> list[dict[str, Any]]:
     for r in rows.inputs:
         inputs.setdefault(r.call_index, []).append(r)
     forward = sorted(rows.calls, key=lambda c: c.call.index)
-    out = [_row(r) for c in forward for r in (*inputs.get(c.call.index, []), *c.outputs)]
+    out = []
+    for c in forward:
+        out += [_row(r) for r in inputs.get(c.call.index, [])]
+        out += [_row(r, c) for r in c.outputs]
     out += [_row(r) for r in rows.grads]
     out += [_row(r) for r in rows.params]
     return out
@@ -126,4 +141,6 @@ def to_dataframe(report: ReportData) -> Any:
     for name in ("finite", "requires_grad", "via_base"):
         frame[name] = frame[name].astype("boolean")
     frame["origin"] = frame["origin"].fillna(False).astype(bool)
+    for name in ("op_peak_abs_max", "op_peak_headroom_bits"):
+        frame[name] = frame[name].astype("float64")
     return frame

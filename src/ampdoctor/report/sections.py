@@ -124,7 +124,8 @@ def window_section(report: ReportData, max_rows: int) -> list[Section]:
         f"{fmt_num(p.scale)}:" + (f"{p.lost_share:.1%} lost" if p.lost_share is not None else "inf")
         for p in w.probes
     )
-    return [Section("Loss-scale window", (Para(first), Para(f"measured at {probes}")))]
+    probed = f"measured at {probes}" if w.measured else f"by arithmetic on the survey's records, not re-run: {probes}"
+    return [Section("Loss-scale window", (Para(first), Para(probed)))]
 
 
 def precision_section(report: ReportData, max_rows: int) -> list[Section]:

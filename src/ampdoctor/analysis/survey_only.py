@@ -1,0 +1,201 @@
+"""What the survey alone says about loss scales, so that re-runs are spent only where they can change the answer.
+
+Two answers come from the survey's own backward at the used scale ``2**u`` (its largest recorded gradients and the
+binade histograms of every parameter gradient and of every gradient held in the low precision), without a re-run:
+
+* :func:`underflow_evidence`: whether a reference backward at a larger scale could find gradient values lost to
+  underflow at the used scale. A power-of-two scale multiplies every gradient exactly, except values that a
+  rounding to the low precision flushed to zero or made subnormal; so what a larger scale ``2**t`` recovers is the
+  values that lay within ``t - u`` binades *below* the flush threshold. The evidence is two-fold: (1) exact, an
+  upper bound: a parameter gradient computed in the low precision can lose at most its zeros, and those are
+  counted; (2) a prediction: the histograms show how many values lie within ``m = max(t - u, SKIP_MARGIN_BITS)``
+  binades *above* the threshold. Gradient magnitudes spread smoothly over binades, so when that band is all but
+  empty the band below it is too. A population of gradients wholly below the threshold, separated from every
+  value the survey sees by more than ``m`` binades and feeding only float32-computed parameters, would escape
+  (2): ``underflow_reference="always"`` runs the reference regardless.
+* :func:`predicted_window`: the loss-scale window from the same records: the top by exact power-of-two arithmetic
+  on the largest recorded low-precision gradient, the bottom at scale 1 when the histograms predict it with the
+  wide margin the measured window already uses to skip its bottom re-run (``scale.CONFIDENT``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from ..records import FormatLimits, FrozenMap, ModuleInfo, OpOverflow, PassTrace
+from ..thresholds import SCALE_WINDOW_LOSS_SHARE
+from .findings import ScaleWindow, WindowProbe
+from .origin import param_owners
+from .scale import (
+    CONFIDENT,
+    CONFIDENT_GRADIENTS,
+    MAX_WINDOW_EXPONENT,
+    Histograms,
+    LossPrediction,
+    exponent_of,
+    low_precision_modules,
+    predicted_top,
+)
+
+# The band above the flush threshold that must be all but empty (in binades, at least): a factor 256 between the
+# smallest values the survey holds in numbers and the threshold.
+SKIP_MARGIN_BITS = 8
+# "All but empty": under this share of the parameter-gradient values, and of the low-precision gradients' values.
+SKIP_SHARE = CONFIDENT * SCALE_WINDOW_LOSS_SHARE  # 0.1 %
+
+
+@dataclass(frozen=True)
+class SurveyEvidence:
+    """Why the survey alone settles whether values are lost at the used scale (see the module docstring)."""
+
+    scale: float  # the used scale
+    top: float  # the largest finite scale, predicted from the largest recorded gradient
+    low_zeros: int  # zero values of parameter gradients computed in the low precision (all they could lose)
+    low_values: int  # their values
+    nonzero: int  # nonzero parameter-gradient values at the used scale
+    margin_bits: int  # the band above the flush threshold examined
+    band_share: float  # share of parameter-gradient values predicted lost that many binades lower
+    gradient_band_share: float  # the same for the gradients held in the low precision
+
+    def note(self, low: str) -> str:
+        bound = self.low_zeros / (self.nonzero + self.low_zeros) if self.nonzero + self.low_zeros else 0.0
+        return (
+            f"underflow reference not run (underflow_reference=\"auto\"): at scale {self.scale:g} the parameter "
+            f"gradients computed in {low} hold {self.low_zeros:,} zero value(s) of {self.low_values:,} (at most "
+            f"{bound:.3%} of the {self.nonzero:,} nonzero values could be lost there), and the binade histograms put "
+            f"{self.band_share:.3%} of the parameter-gradient values and {self.gradient_band_share:.3%} of the "
+            f"{low} gradients' values within {self.margin_bits} binades above {low}'s flush threshold, so a larger "
+            f"scale (up to {self.top:g}, the largest finite predicted) could recover almost nothing; "
+            "underflow_reference=\"always\" runs it (one more backward)"
+        )
+
+
+def underflow_evidence(
+    survey: PassTrace, histograms: Histograms, modules: Sequence[ModuleInfo], limits: FormatLimits
+) -> Optional[SurveyEvidence]:
+    """The evidence that a reference backward at a larger scale would find (almost) nothing lost at the survey's
+    scale, or None when the survey does not show it (then the reference runs). Needs a healthy survey at a
+    power-of-two scale with the histograms of its gradients."""
+    u = exponent_of(survey.scale)
+    if u is None or not histograms or not survey.backward_ran or not survey.healthy():
+        return None
+    t = predicted_top(survey, limits, modules)
+    if t < u or t >= MAX_WINDOW_EXPONENT:
+        return None
+    owners = param_owners(modules)
+    low = low_precision_modules(survey, limits)
+    nonzero = low_zeros = low_values = 0
+    for name, stats in survey.param_grads().items():
+        if stats.nonzero_count is None or stats.zero_count is None:
+            return None  # not counted: no bound
+        nonzero += stats.nonzero_count
+        if owners.get(name) in low:
+            low_zeros += stats.zero_count
+            low_values += stats.numel
+    if nonzero == 0 or low_zeros > SKIP_SHARE * nonzero:
+        return None
+    margin = max(t - u, SKIP_MARGIN_BITS)
+    prediction = LossPrediction(histograms, u, _flush_exponent(limits), owners)
+    band = prediction.lost(u - margin) / nonzero
+    gradient_band = prediction.gradient_share(u - margin)
+    if band >= SKIP_SHARE or gradient_band >= SKIP_SHARE:
+        return None
+    return SurveyEvidence(survey.scale, 2.0**t, low_zeros, low_values, nonzero, margin, band, gradient_band)
+
+
+def predicted_window(
+    survey: PassTrace, histograms: Histograms, modules: Sequence[ModuleInfo], limits: FormatLimits
+) -> Optional[ScaleWindow]:
+    """The loss-scale window from the survey alone, or None when it does not settle it (then it is measured).
+
+    Top: the largest power of two at which the largest recorded low-precision gradient stays finite (that the next
+    one overflows is exact; that this one holds assumes no unrecorded intermediate overflows first). Bottom: scale
+    1, only when the histograms predict it loses under ``CONFIDENT`` of the window's 1 % and the low-precision
+    gradients together under ``CONFIDENT_GRADIENTS`` of theirs (the rule the measured window uses too)."""
+    u = exponent_of(survey.scale)
+    if u is None or u < 0 or not histograms or not survey.backward_ran or not survey.healthy():
+        return None
+    t = predicted_top(survey, limits, modules)
+    if t < u or t >= MAX_WINDOW_EXPONENT:
+        return None
+    owners = param_owners(modules)
+    prediction = LossPrediction(histograms, u, _flush_exponent(limits), owners)
+    by_module: dict[str, int] = defaultdict(int)
+    for name, stats in survey.param_grads().items():
+        by_module[owners.get(name, name)] += stats.nonzero_count or 0
+    total = sum(by_module.values())
+    if not total or prediction.lost(0) > SKIP_SHARE * total or prediction.gradient_share(0) >= CONFIDENT_GRADIENTS:
+        return None
+    per_module: dict[str, float] = {}
+    for info in modules:
+        count = by_module.get(info.name, 0)
+        if not info.params or not count:
+            continue
+        exponent = t
+        while exponent > 0 and prediction.lost(exponent - 1, info.name) / count < SCALE_WINDOW_LOSS_SHARE:
+            exponent -= 1
+        per_module[info.name] = 2.0**exponent
+    return ScaleWindow(
+        current=survey.scale,
+        max_safe=2.0**t,
+        min_useful=1.0,
+        probes=(WindowProbe(2.0 ** (t + 1), False, None),),  # by arithmetic on the recorded maximum
+        module_min_useful=FrozenMap(per_module),
+        reference=(
+            f"predicted from the survey at scale {survey.scale:g}, not re-run: the top by exact power-of-two "
+            f"arithmetic on its largest {limits.dtype} gradient, the bottom from its binade histograms (scale 1 "
+            f"predicted to lose under {SKIP_SHARE:.1%}); scale_window=True confirms both ends by re-runs"
+        ),
+        measured=False,
+    )
+
+
+def settle_from_survey(
+    survey: PassTrace,
+    histograms: Histograms,
+    modules: Sequence[ModuleInfo],
+    limits: FormatLimits,
+    policy: str,
+    fp32_reference: bool,
+    window_wanted: Union[bool, str],
+) -> tuple[Optional[ScaleWindow], str]:
+    """What the survey settles alone, for a survey with finite gradients: the loss-scale window predicted without a
+    re-run (None: measure it, or not wanted), and the note that stands in for the underflow reference ("": run
+    it). ``policy``: ``diagnose``'s ``underflow_reference``; ``window_wanted``: its ``scale_window`` (False when the
+    window is deferred)."""
+
+    def predict() -> Optional[ScaleWindow]:
+        return predicted_window(survey, histograms, modules, limits) if window_wanted == "auto" else None
+
+    if policy == "never":
+        return predict(), (
+            'underflow reference not run (underflow_reference="never"): gradient values lost to underflow at the '
+            "used scale are not counted"
+        )
+    if policy == "always" or fp32_reference or window_wanted is True:
+        return None, ""  # a measured window's first re-run is the reference's backward anyway
+    evidence = underflow_evidence(survey, histograms, modules, limits)
+    if evidence is None:
+        return None, ""
+    window = predict()
+    if window is None and window_wanted:
+        return None, ""  # the measured window's first re-run is the reference's backward: it costs nothing more
+    return window, evidence.note(limits.dtype)
+
+
+def deferred_window_note(hidden: Sequence[OpOverflow]) -> str:
+    """The note for a loss-scale window left out because the forward makes inf/NaN that a later op hides."""
+    ops = ", ".join(dict.fromkeys(f"{o.label} ({o.op})" for o in hidden))
+    return (
+        f"loss-scale window not measured: the forward makes inf/NaN that a later op hides ({ops}), so this step's "
+        "gradients change with the remedy; diagnose again after applying it, or pass scale_window=True to measure "
+        "it on this step"
+    )
+
+
+def _flush_exponent(limits: FormatLimits) -> int:
+    return math.floor(math.log2(limits.flush_threshold))
