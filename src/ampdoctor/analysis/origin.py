@@ -95,11 +95,12 @@ def classify(bad: TensorStats, op: Optional[OpFinding]) -> Verdict:
 
 def forward_creators(trace: PassTrace) -> list[ModuleCall]:
     """Calls whose floating inputs were all finite (masks aside) and some floating output was not."""
-    return [
-        c
-        for c in trace.calls
-        if c.end_order >= 0 and _inputs_finite(c) and any(_bad(r.stats) for r in c.outputs)
-    ]
+    return [c for c in _bad_output_calls(trace) if c.end_order >= 0 and _inputs_finite(c)]
+
+
+def _bad_output_calls(trace: PassTrace) -> list[ModuleCall]:
+    """Calls with a non-finite floating output, in start order (none in a healthy pass: one look at each output)."""
+    return [c for c in trace.calls if any(_bad(r.stats) for r in c.outputs)]
 
 
 def forward_origin(trace: PassTrace) -> Optional[Origin]:
@@ -108,9 +109,10 @@ def forward_origin(trace: PassTrace) -> Optional[Origin]:
     if bad_batch:
         r = bad_batch[0]
         return Origin("forward", BATCH, 0, "batch", r.path, r.stats, None)
-    creators = forward_creators(trace)
+    bad_calls = _bad_output_calls(trace)
+    creators = [c for c in bad_calls if c.end_order >= 0 and _inputs_finite(c)]  # forward_creators
     creator_ids = {c.index for c in creators}
-    children = _children(trace.calls)
+    children = _children(trace.calls) if creators else {}
     op = trace.op_finding
     for c in sorted(creators, key=lambda c: c.end_order):
         if any(d.index in creator_ids for d in children.get(c.index, [])):
@@ -132,7 +134,7 @@ def forward_origin(trace: PassTrace) -> Optional[Origin]:
             "forward", LOSS, 0, "loss", "loss", trace.loss, _max_abs(trace.output), zoom, exact=seen
         )
     # Something is non-finite but the rule placed nothing (e.g. the batch's -inf reached an op that made NaN).
-    first = next((c for c in sorted(trace.calls, key=lambda c: c.end_order) if _first_bad(c.outputs)), None)
+    first = min(bad_calls, key=lambda c: c.end_order, default=None)
     if first is not None:
         bad = _first_bad(first.outputs)
         assert bad is not None
