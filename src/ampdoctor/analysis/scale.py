@@ -15,11 +15,12 @@ scale are visible only against a float32 backward, which the caller may allow (`
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
+
+import numpy as np
 
 from ..records import FormatLimits, FrozenMap, ModuleInfo, PassTrace
 from ..thresholds import GRADIENT_KEY, HIST_LOW, SCALE_WINDOW_LOSS_SHARE
@@ -237,33 +238,47 @@ class LossPrediction:
     def __init__(self, histograms: Histograms, at_exponent: int, flush_exponent: int, owners: Mapping[str, str]):
         self.at = at_exponent
         self.flush = flush_exponent
-        summed: dict[str, list[float]] = {}
-        self._gradients = [_prefix(hist) for name, hist in histograms.items() if name.startswith(GRADIENT_KEY)]
+        # One row of cumulative counts per owning module (and per low-precision gradient), as arrays: a model of
+        # thousands of modules would otherwise hold 130 Python floats per parameter and per module.
+        gradients = [hist for name, hist in histograms.items() if name.startswith(GRADIENT_KEY)]
+        self._gradients = _prefixes(gradients, list(range(len(gradients))), len(gradients))
+        index: dict[str, int] = {}
+        rows, groups = [], []
         for name, hist in histograms.items():
-            if name.startswith(GRADIENT_KEY):
-                continue
-            owner = owners.get(name, name)
-            acc = summed.get(owner)
-            summed[owner] = [a + c for a, c in zip(acc, hist)] if acc is not None else [float(c) for c in hist]
-        self._prefix = {module: _prefix(counts) for module, counts in summed.items()}
+            if not name.startswith(GRADIENT_KEY):
+                rows.append(hist)
+                groups.append(index.setdefault(owners.get(name, name), len(index)))
+        self._index = index
+        self._prefix = _prefixes(rows, groups, len(index))
+        self._total_gradients = float(self._gradients[:, -1].sum())
 
-    def _upto(self, exponent: int, prefix: Sequence[float]) -> float:
+    def _column(self, exponent: int, width: int) -> int:
         # Bin i holds binade k = HIST_LOW + i - 1; lost when k + 1 + (exponent - at) <= flush.
         last = self.flush - (exponent - self.at) - HIST_LOW
-        return prefix[max(0, min(len(prefix) - 1, last + 1))]
+        return max(0, min(width - 1, last + 1))
 
     def lost(self, exponent: int, module: Optional[str] = None) -> float:
-        modules = self._prefix.values() if module is None else [self._prefix.get(module, [0.0])]
-        return sum(self._upto(exponent, prefix) for prefix in modules)
+        column = self._column(exponent, self._prefix.shape[1])
+        if module is None:
+            return float(self._prefix[:, column].sum())
+        row = self._index.get(module)
+        return 0.0 if row is None else float(self._prefix[row, column])
 
     def gradient_share(self, exponent: int) -> float:
         """The share of the low-precision gradients' nonzero values they would lose together (0 without any)."""
-        total = sum(p[-1] for p in self._gradients)
-        return sum(self._upto(exponent, p) for p in self._gradients) / total if total else 0.0
+        if not self._total_gradients:
+            return 0.0
+        column = self._column(exponent, self._gradients.shape[1])
+        return float(self._gradients[:, column].sum()) / self._total_gradients
 
 
-def _prefix(counts: Sequence[float]) -> list[float]:
-    return list(itertools.accumulate(counts, initial=0.0))
+def _prefixes(rows: Sequence[Sequence[float]], groups: Sequence[int], count: int) -> np.ndarray:
+    """Cumulative counts (a leading 0) of the rows summed by group: one row per group."""
+    width = max((len(r) for r in rows), default=0)
+    summed = np.zeros((count, width), dtype=np.float64)
+    for group, row in zip(groups, rows):
+        summed[group, : len(row)] += np.asarray(row, dtype=np.float64)
+    return np.concatenate((np.zeros((count, 1)), np.cumsum(summed, axis=1)), axis=1)
 
 
 def measure_window(

@@ -39,7 +39,7 @@ DETAIL_FIELDS = SURVEY_FIELDS + (
     "cast_flush_count",
 )
 # Detailed statistics are reduced over chunks of this many elements (scratch memory per chunk: a few bytes each).
-CHUNK = 1 << 20
+CHUNK = 1 << 16
 # Histograms of large tensors go chunk by chunk in pieces this small (their scratch stays in the cache), and
 # tensors up to this size are histogrammed together (``add_many``).
 HIST_CHUNK = BATCH_EACH = 1 << 16
