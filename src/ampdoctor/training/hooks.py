@@ -28,7 +28,7 @@ from .compiled import CompiledStats, RootTap, is_compiled
 from .fastpath import hang_grad_hook
 from .optrack import OpTracker
 from .quiet import diagnosing, recomputing
-from .readback import MicroBatch, StepState, loss_value
+from .readback import MicroBatch, PairKey, StepState, loss_value
 from .replay_step import Capture, own_loss
 
 
@@ -272,14 +272,15 @@ class WatchHooks:
 
 class _ModuleProbe:
     """The forward hook of one module: its floating outputs' (lo, hi) into the current step, and gradient hooks
-    on them on sampled steps. Made once per module; nothing is allocated per call but the measured pair."""
+    on them on sampled steps. Made once per module, with its pair keys and gradient receivers: a call allocates
+    nothing but Python ints and the gradient hook's handle."""
 
-    __slots__ = ("hooks", "w", "name", "low", "other")
+    __slots__ = ("hooks", "w", "name", "keys", "receivers")
 
     def __init__(self, hooks: WatchHooks, name: str) -> None:
         self.hooks, self.w, self.name = hooks, hooks.w, name
-        self.low: Optional[_GradReceiver] = None  # the gradient receivers, made when first needed
-        self.other: Optional[_GradReceiver] = None
+        self.keys: tuple[PairKey, PairKey] = (("out", name, False), ("out", name, True))  # by low dtype
+        self.receivers: list[Optional[_GradReceiver]] = [None, None]  # by low dtype, made when first needed
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         hooks = self.hooks
@@ -303,57 +304,64 @@ class _ModuleProbe:
             self.w.fail(exc)
 
     def _tensor(self, t: torch.Tensor) -> None:
-        if not t.is_floating_point() or t.numel() == 0:
+        if not t.is_floating_point() or not t.numel():
             return
         w = self.w
-        low = t.dtype == w.low
+        low = t.dtype is w.low
         cur = w.cur
-        cur.collector.pair("out", self.name, t.detach(), low)
-        if t.requires_grad and self.hooks.grads_on:
-            receive = self.low if low else self.other
-            if receive is None:
-                receive = self.hooks.receiver(self.name, low)
-                if low:
-                    self.low = receive
-                else:
-                    self.other = receive
-            _hang(cur.tensor_handles, t, receive)
+        cur.collector.put(self.keys[low], t.detach())
+        if not self.hooks.grads_on:
+            return
+        node = t.grad_fn
+        if node is not None:
+            receive = self.receivers[low] or self._receiver(low)
+            # hang_grad_hook's common case, inline: a node's first output, no view. The handle goes straight into
+            # the step's list (a Ctrl-C in between leaves a hook on this step's graph only, which dies with it)
+            if t._base is None and t.output_nr == 0:
+                cur.tensor_handles.append(node.register_prehook(receive.node0))
+            else:
+                _hang(cur.tensor_handles, t, receive)
+        elif t.requires_grad:  # a leaf that asks for a gradient (a module handing back its input)
+            _hang(cur.tensor_handles, t, self.receivers[low] or self._receiver(low))
+
+    def _receiver(self, low: bool) -> _GradReceiver:
+        receive = self.receivers[low] = self.hooks.receiver(self.name, low)
+        return receive
 
 
 @uninterrupted
 def _hang(handles: list[Any], t: torch.Tensor, receive: _GradReceiver) -> None:
-    node = t.grad_fn
-    if node is not None and t._base is None and t.output_nr == 0:  # hang_grad_hook's common case, inline
-        handles.append(node.register_prehook(receive.node0))
-    else:
-        handles.append(hang_grad_hook(t, receive, receive.node0))
+    handles.append(hang_grad_hook(t, receive, receive.node0))
 
 
 class _GradReceiver:
     """Records the (lo, hi) of one module's output gradients in the watch's current step."""
 
-    __slots__ = ("hooks", "w", "name", "low", "node0")
+    __slots__ = ("hooks", "w", "key", "low", "node0")
 
     def __init__(self, hooks: WatchHooks, name: str, low: bool) -> None:
         self.hooks = hooks
         self.w = hooks.w
-        self.name = name
+        self.key: PairKey = ("grad", name, low)
         self.low = low
         self.node0 = self.first  # the node pre-hook of a node's first output, made once
 
     def first(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
-        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does, one call
-        less)."""
+        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does, and
+        :meth:`__call__`, in one call: this runs for every module output in every sampled backward)."""
         g = grads[0] if grads else None
-        if g is not None:
-            self(g)
-
-    def __call__(self, g: torch.Tensor) -> None:
+        if g is None:
+            return
         try:
             if g.numel():
+                if torch.is_grad_enabled():  # a double backward (create_graph=True): the value, off the graph
+                    g = g.detach()
                 collector = self.w.cur.collector
-                collector.pair("grad", self.name, g.detach(), self.low)
+                collector.put(self.key, g)
                 if self.low and self.hooks.count_underflow:  # sampled steps: a sink wants the underflow share
-                    collector.underflow(g.detach())
+                    collector.underflow(g)
         except Exception as exc:
             self.w.fail(exc)
+
+    def __call__(self, g: torch.Tensor) -> None:
+        self.first((g,))

@@ -70,6 +70,8 @@ class MicroBatch:
         return self.out_grads
 
 
+# What a pair is: its kind, its module ("" the root) and whether the tensor was in the low-precision format.
+PairKey = tuple[PairKind, str, bool]
 # One measured (lo, hi) pair: what it measures, the module ("" the root), its values, and whether the tensor was
 # in the low-precision format.
 Pair = tuple[PairKind, str, float, float, bool]
@@ -84,13 +86,11 @@ class Collector:
         self.slabs = slabs if slabs is not None else Slabs()
         self.values: list[torch.Tensor] = []  # 0-d, or 1-D blocks (each spans block.numel() numbers)
         self._starts: list[int] = []  # index of each value's first number
-        # Per pair, in parallel lists: index of lo, kind, module, low dtype. Flat lists of ints, strings and bools
-        # make no object the garbage collector tracks: with statistics every step, a tuple per tensor made
-        # collections of the whole heap a measurable share of the step.
+        # Per pair, in parallel lists: the index of its lo, and its key (kind, module, low dtype): a tuple made once
+        # per module and dtype by the hooks, so a pair allocates nothing the garbage collector tracks (with
+        # statistics every step, a tuple per tensor made collections of the whole heap a measurable share of it).
         self._at: list[int] = []
-        self._kinds: list[PairKind] = []
-        self._modules: list[str] = []
-        self._lows: list[bool] = []
+        self._keys: list[PairKey] = []
         self.size = 0  # numbers in all values and pairs
         self.small: list[tuple[int, int]] = []  # (index of [zeros, below tiny], numel) of low-precision gradients
 
@@ -104,14 +104,27 @@ class Collector:
 
     def pair(self, kind: PairKind, module: str, t: torch.Tensor, low: bool) -> int:
         """The (lo, hi) of ``t`` (detached), one pass on the device; returns the index of lo (hi follows)."""
-        index = self.size
-        self.slabs.put(self, t, index)
-        self.size = index + 2
-        self._at.append(index)
-        self._kinds.append(kind)
-        self._modules.append(module)
-        self._lows.append(low)
-        return index
+        return self.put((kind, module, low), t)
+
+    def put(self, key: PairKey, t: torch.Tensor) -> int:
+        """:meth:`pair` with its key made beforehand (the hooks' hot path: one call, nothing allocated but
+        Python ints). ``aminmax`` writes straight into the next row of the watch's slab for ``t``'s device and
+        dtype."""
+        slabs = self.slabs
+        slab = slabs.last
+        if slabs.owner is not self or slab.dtype is not t.dtype or slab.device != t.device:
+            slab = slabs.find(self, t)  # a new step's first pair, or another dtype or device than the last
+        i = slab.used
+        if i == len(slab.rows):
+            slab.grow()
+        torch.aminmax(t, out=slab.rows[i])  # one pass; NaN and inf show up in the result
+        slab.used = i + 1
+        at = self.size
+        self.size = at + 2
+        slab.ats.append(at)
+        self._at.append(at)
+        self._keys.append(key)
+        return at
 
     def underflow(self, g: torch.Tensor) -> None:
         """Count a low-precision gradient's zeros and its values below the smallest normal (two reductions)."""
@@ -127,38 +140,32 @@ class Collector:
         return sum(numbers[i + 1] - numbers[i] for i, _ in self.small) / nonzero
 
     def pairs(self, numbers: list[float]) -> list[Pair]:
-        return [
-            (kind, module, numbers[i], numbers[i + 1], low)
-            for i, kind, module, low in zip(self._at, self._kinds, self._modules, self._lows)
-        ]
+        return [(key[0], key[1], numbers[i], numbers[i + 1], key[2]) for i, key in zip(self._at, self._keys)]
 
     def read(self) -> list[float]:
-        """Every number as a Python float: per device one ``cat`` of the slabs' used rows and the other values
-        (float16/bfloat16/float32 promote to float64 there, exactly) and one ``tolist``."""
+        """Every number as a Python float: per device one ``cat`` of the slabs' used rows and the other values,
+        widened to float64 (exact for every floating format) and moved to the host in one copy; there one scatter
+        puts each number at its index and one ``tolist`` makes the floats (no Python loop over the pairs)."""
         if not self.size:
             return []
-        numbers: list[float] = [math.nan] * self.size
-        by_device: dict[torch.device, list[tuple[torch.Tensor, Optional[list[int]], int]]] = {}
-        for flat_pairs, pair_ats in self.slabs.blocks(self):  # pairs: lo at each index in ats, hi right after
-            by_device.setdefault(flat_pairs.device, []).append((flat_pairs, pair_ats, 0))
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for flat_pairs, ats in self.slabs.blocks(self):  # pairs: lo at each index in ats, hi right after
+            at = torch.frombuffer(ats, dtype=torch.long)  # no copy: used at once
+            values, places = by_device.setdefault(flat_pairs.device, ([], []))
+            values.append(flat_pairs)
+            places.append(torch.stack((at, at + 1), 1).reshape(-1))
+        singles: dict[torch.device, list[int]] = {}  # the other values' places, per device, in order
         for v, start in zip(self.values, self._starts):
-            by_device.setdefault(v.device, []).append((v.detach().reshape(-1), None, start))
-        for parts in by_device.values():  # one device, unless the model is split across devices
-            dtype = torch.promote_types(parts[0][0].dtype, torch.float32) if len(parts) == 1 else torch.float64
-            flat = torch.cat([p.to(dtype) for p, _, _ in parts]).tolist() if len(parts) > 1 else (
-                parts[0][0].to(dtype).tolist())
-            k = 0
-            for block, ats, start in parts:
-                if ats is not None:
-                    for at in ats:
-                        numbers[at] = flat[k]
-                        numbers[at + 1] = flat[k + 1]
-                        k += 2
-                else:
-                    n = block.numel()
-                    numbers[start : start + n] = flat[k : k + n]
-                    k += n
-        return numbers
+            values, places = by_device.setdefault(v.device, ([], []))
+            values.append(v.detach().reshape(-1))
+            singles.setdefault(v.device, []).extend(range(start, start + v.numel()))
+        out = torch.full((self.size,), math.nan, dtype=torch.float64)
+        for device, (values, places) in by_device.items():  # one device, unless the model is split across devices
+            if device in singles:
+                places.append(torch.tensor(singles[device], dtype=torch.long))
+            flat = torch.cat([v.to(torch.float64) for v in values]) if len(values) > 1 else values[0].double()
+            out[torch.cat(places) if len(places) > 1 else places[0]] = flat.cpu()
+        return out.tolist()  # type: ignore[no-any-return]
 
 
 @dataclass
