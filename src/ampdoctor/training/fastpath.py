@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..capture.hooks import register_grad_hook
 
@@ -113,3 +115,33 @@ class NodeHook:
         g = grads[self.nr] if self.nr < len(grads) else None
         if g is not None:
             self.receive(g)
+
+
+def _plain_handles() -> bool:
+    """torch's RemovableHandle is what :func:`remove_handles` reads (a weak reference to its hooks dict, an id,
+    no extra dicts); checked once, on a handle of our own."""
+    hooks: OrderedDict[int, Any] = OrderedDict()  # what torch keeps hooks in (a plain dict has no weak reference)
+    try:
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = None
+        ref = handle.hooks_dict_ref
+        plain = ref() is hooks and handle.extra_dict_ref == ()
+        handle.remove()
+        return plain and not hooks
+    except Exception:
+        return False
+
+
+_PLAIN_HANDLES = _plain_handles()
+
+
+def remove_handles(handles: list[Any]) -> None:
+    """``handle.remove()`` for each of a step's gradient-hook handles (hundreds with statistics every step): a
+    node hook's plain handle is removed inline (what ``RemovableHandle.remove`` does, without the call)."""
+    for handle in handles:
+        if _PLAIN_HANDLES and type(handle) is RemovableHandle and not handle.extra_dict_ref:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None:
+                hooks.pop(handle.id, None)
+        else:
+            handle.remove()

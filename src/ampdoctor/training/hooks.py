@@ -273,7 +273,7 @@ class WatchHooks:
 class _ModuleProbe:
     """The forward hook of one module: its floating outputs' (lo, hi) into the current step, and gradient hooks
     on them on sampled steps. Made once per module, with its pair keys and gradient receivers: a call allocates
-    nothing but Python ints and the gradient hook's handle."""
+    nothing but a 1-tuple, Python ints and the gradient hook's handle."""
 
     __slots__ = ("hooks", "w", "name", "keys", "receivers")
 
@@ -295,34 +295,32 @@ class _ModuleProbe:
         if not self.name:
             return  # the root: recorded by root_post
         try:
-            if type(output) is torch.Tensor:  # the common case, without walking
-                self._tensor(output)
-            else:
-                for _, t in iter_tensors(output, "out"):
-                    self._tensor(t)
+            # the common case (one tensor) without walking; the loop body is the hot path: no call of our own
+            # but the collector's put
+            tensors = (output,) if type(output) is torch.Tensor else [t for _, t in iter_tensors(output, "out")]
+            w = self.w
+            cur = w.cur
+            for t in tensors:
+                if not t.is_floating_point() or not t.numel():
+                    continue
+                low = t.dtype is w.low
+                cur.collector.put(self.keys[low], t.detach())
+                if not self.hooks.grads_on:
+                    continue
+                node = t.grad_fn
+                if node is not None:
+                    receive = self.receivers[low] or self._receiver(low)
+                    # hang_grad_hook's common case, inline: a node's first output, no view. The handle goes
+                    # straight into the step's list (a Ctrl-C in between leaves a hook on this step's graph only,
+                    # which dies with it)
+                    if t._base is None and t.output_nr == 0:
+                        cur.tensor_handles.append(node.register_prehook(receive.node0))
+                    else:
+                        _hang(cur.tensor_handles, t, receive)
+                elif t.requires_grad:  # a leaf that asks for a gradient (a module handing back its input)
+                    _hang(cur.tensor_handles, t, self.receivers[low] or self._receiver(low))
         except Exception as exc:
             self.w.fail(exc)
-
-    def _tensor(self, t: torch.Tensor) -> None:
-        if not t.is_floating_point() or not t.numel():
-            return
-        w = self.w
-        low = t.dtype is w.low
-        cur = w.cur
-        cur.collector.put(self.keys[low], t.detach())
-        if not self.hooks.grads_on:
-            return
-        node = t.grad_fn
-        if node is not None:
-            receive = self.receivers[low] or self._receiver(low)
-            # hang_grad_hook's common case, inline: a node's first output, no view. The handle goes straight into
-            # the step's list (a Ctrl-C in between leaves a hook on this step's graph only, which dies with it)
-            if t._base is None and t.output_nr == 0:
-                cur.tensor_handles.append(node.register_prehook(receive.node0))
-            else:
-                _hang(cur.tensor_handles, t, receive)
-        elif t.requires_grad:  # a leaf that asks for a gradient (a module handing back its input)
-            _hang(cur.tensor_handles, t, self.receivers[low] or self._receiver(low))
 
     def _receiver(self, low: bool) -> _GradReceiver:
         receive = self.receivers[low] = self.hooks.receiver(self.name, low)

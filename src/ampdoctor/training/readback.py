@@ -21,7 +21,7 @@ from ..capture.cleanup import uninterrupted
 from ..capture.state import RngState
 from ..capture.walk import iter_tensors
 from ..records import FrozenMap, StepRecord
-from .fastpath import Slabs
+from .fastpath import Slabs, remove_handles
 
 # What a (lo, hi) pair of the collector measures: a root output, a module output, or an output's gradient.
 PairKind = Literal["root", "out", "grad", "op"]  # "op": an op inside a module (.optrack), module "<module>:<op>#<n>"
@@ -189,8 +189,7 @@ class StepState:
 
     @uninterrupted
     def remove_hooks(self) -> None:
-        for handle in self.tensor_handles:
-            handle.remove()
+        remove_handles(self.tensor_handles)
         self.tensor_handles.clear()
 
     def read(
