@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import ampdoctor
-from ampdoctor.training import fastpath
+from ampdoctor.training import fastpath, readback
 from ampdoctor.training.fastpath import Slabs, remove_handles
 from ampdoctor.training.forecast import Forecaster
 from ampdoctor.training.readback import Collector
@@ -30,6 +31,24 @@ def test_pairs_and_values_interleaved_read_back_in_place() -> None:
     assert c.pairs(numbers) == [
         ("out", "a", -2.0, 5.0, True), ("grad", "b", -0.25, 0.5, False), ("out", "c", -math.inf, 3.0, True),
     ]
+
+
+def test_the_scatter_and_the_loop_place_numbers_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(4)
+    c = Collector(Slabs())
+    expected: dict[int, float] = {}
+    for i in range(300):  # over SCATTER_PAIRS, in two dtypes, a value every 40 pairs
+        t = torch.randn(3, 2, dtype=torch.float16 if i % 3 else torch.float32) * 100
+        at = c.put(("out", f"m{i}", i % 3 > 0), t)
+        expected[at], expected[at + 1] = t.double().min().item(), t.double().max().item()
+        if i % 40 == 0:
+            v = torch.tensor([float(i), -1.5])
+            start = c.add(v)
+            expected[start], expected[start + 1] = float(i), -1.5
+    assert sorted(expected) == list(range(c.size)) and readback.SCATTER_PAIRS <= 300
+    scattered = c.read()
+    monkeypatch.setattr(readback, "SCATTER_PAIRS", 10**9)
+    assert c.read() == scattered == [expected[i] for i in range(c.size)]
 
 
 def test_the_next_step_reuses_the_rows_and_a_stale_collector_reads_none() -> None:
