@@ -3,12 +3,14 @@ scatter, gradient hooks that are gone once their step closes, and double backwar
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 import ampdoctor
@@ -124,3 +126,35 @@ def test_a_backward_that_builds_a_graph_is_measured_exactly() -> None:
     assert step.grad_abs_max["2"] == expected.double().abs().max().item()
     assert set(step.grad_abs_max) == {"", "0", "1", "2"}
     assert doctor._errors == [] and all(g.requires_grad for g in grads)
+
+
+class _Counting(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_users_function_mode_sees_only_the_models_ops() -> None:
+    model = _model()
+    x = torch.randn(5, 4)
+    seen = []
+    for every in (None, 0, 1):  # no watch; a watch without module statistics; statistics on every module
+        with ampdoctor.watch(model, stats_every=every or 0, dtype=torch.bfloat16, save_bundle=False) if (
+            every is not None
+        ) else contextlib.nullcontext() as doctor:
+            mode = _Counting()
+            with mode, torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = out.float().pow(2).mean()
+            if doctor is not None:
+                doctor.see_loss(loss)
+            loss.backward()
+            if doctor is not None:
+                doctor.step()
+        seen.append(mode.calls)
+    assert seen[2] == seen[1] == seen[0] and seen[0]["linear"] == 2
+    assert doctor._errors == [] and set(doctor.steps[0].out_abs_max) == {"", "0", "1", "2"}

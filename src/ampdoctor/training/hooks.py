@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Optional, Protocol
 
 import torch
@@ -30,6 +31,12 @@ from .optrack import OpTracker
 from .quiet import diagnosing, recomputing
 from .readback import MicroBatch, PairKey, StepState, loss_value
 from .replay_step import Capture, own_loss
+
+
+def unseen() -> Any:
+    """Our own reads of the model's tensors, out of sight of any torch function mode running (a survey's, a tap's,
+    the user's): they are no op of the model's. Nothing to enter when none runs (the common case)."""
+    return torch._C.DisableTorchFunction() if torch._C._is_torch_function_mode_enabled() else nullcontext()
 
 
 class WatchedRun(Protocol):
@@ -173,7 +180,8 @@ class WatchHooks:
                 w.low = autocast_dtype(w.device_type)
                 if w.low is None and not self.probed:
                     self._probe_autocast()
-            micro = MicroBatch.keep(module, args, kwargs, w.targets, weights=w.scaler is None)
+            with unseen():
+                micro = MicroBatch.keep(module, args, kwargs, w.targets, weights=w.scaler is None)
             cur = w.cur
             if len(cur.micro) >= MAX_MICRO_BATCHES:
                 cur.micro.popleft()
@@ -197,6 +205,11 @@ class WatchHooks:
         self.ops.end_survey()
         if self.compiled is not None:
             self.compiled.on = False
+        with unseen():
+            self._root_outputs(output)
+
+    def _root_outputs(self, output: Any) -> None:
+        w = self.w
         try:
             micro = w.cur.micro[-1]
             loss = own_loss(output)
@@ -294,6 +307,13 @@ class _ModuleProbe:
                 return
         if not self.name:
             return  # the root: recorded by root_post
+        if torch._C._is_torch_function_mode_enabled():  # a mode runs: our reads (properties too) are unseen()
+            with torch._C.DisableTorchFunction():
+                self._record(output)
+        else:
+            self._record(output)
+
+    def _record(self, output: Any) -> None:
         try:
             # the common case (one tensor) without walking; the loop body is the hot path: no call of our own
             # but the collector's put
