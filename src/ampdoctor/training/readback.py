@@ -215,6 +215,7 @@ class StepState:
     tensor_handles: list[Any] = field(default_factory=list)
     pairs: list[Pair] = field(default_factory=list)  # after the read-back: every measured pair (the forecast's)
     numbers: list[float] = field(default_factory=list)  # after the read-back: every number read
+    out_max: dict[str, float] = field(default_factory=dict)  # after the read-back: the record's out_abs_max
 
     @classmethod
     def on(cls, slabs: Slabs) -> StepState:
@@ -250,7 +251,8 @@ class StepState:
             pairs += decoded.pairs
             weight_norm.update(decoded.weight_norm)
         record, bad = step_record(
-            step, rank, numbers, pairs, list(self.micro), self.orphan_losses, sampled, self.forwards, scales
+            step, rank, numbers, pairs, list(self.micro), self.orphan_losses, sampled, self.forwards, scales,
+            self.out_max,
         )
         return dataclasses.replace(record, weight_norm=FrozenMap(weight_norm)) if weight_norm else record, bad
 
@@ -295,8 +297,11 @@ def step_record(
     sampled: bool,
     forwards: int,
     scales: StepScales,
+    out_max: Optional[dict[str, float]] = None,
 ) -> tuple[StepRecord, list[bool]]:
     """The step's record from the numbers read back, and which micro-batches had a non-finite forward.
+    ``out_max``: a dict to fill with the record's output maxima (a plain dict for the forecast to read: a
+    record's FrozenMap reads each key through a Python call).
 
     ``orphans`` are losses seen by ``scaler.scale`` without a root forward of this step (kept for the mean loss).
     """
@@ -310,7 +315,7 @@ def step_record(
     ]
     forward_finite = not any(bad_micro) and all(math.isfinite(numbers[i]) for i in orphans)
     skipped = scales.found_inf > 0 if scales.found_inf is not None else scales.after < scales.before
-    out_max: dict[str, float] = {}
+    out_max = {} if out_max is None else out_max
     grad_max: dict[str, float] = {}
     bad_out: list[str] = []
     bad_grad: list[str] = []
