@@ -28,6 +28,7 @@ stress test.
     python benchmarks/watch_overhead.py --compute float32    # the stress test
     python benchmarks/watch_overhead.py --quick              # smoke run
     python benchmarks/watch_overhead.py --compile --models mlp   # compiled loops (inductor: minutes to compile)
+    python benchmarks/watch_overhead.py --layers 200 --floor     # the narrow MLP, against bare per-module hooks
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ from torch import nn
 import ampdoctor
 
 MODES = ("plain", "watch", "watch_every")
-MODE_TITLES = {"plain": "plain loop", "watch": "watch (defaults)", "watch_every": "watch, stats every step"}
+MODE_TITLES = {
+    "plain": "plain loop", "watch": "watch (defaults)", "watch_every": "watch, stats every step",
+    "floor": "bare hooks (the floor of per-module hooks)",
+}
 TARGETS = {"watch": 1.03, "watch_every": 1.10}
 
 
@@ -113,8 +117,68 @@ def convnet(large: bool) -> Case:
     return Case(f"convnet (5 conv + BN, {batch}x3x{size}x{size})", model, lambda: (x, y), cross_entropy)
 
 
+class BareHooks:
+    """The least any per-module watch can do with Python hooks, for comparison (``--floor``): a forward hook on
+    every module that measures its output with one ``aminmax`` into a preallocated slot and hangs one autograd
+    node pre-hook that measures the output's gradient the same way; nothing recorded, nothing read back. What
+    ``watch`` with statistics every step costs beyond this is its own bookkeeping; what this costs is the price
+    of Python hooks per module (torch's hooked call path, the node hook's registration and call)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.slot = torch.empty(2)
+        self.slots: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.handles: list[Any] = []
+        self.tensor_handles: list[Any] = []
+
+    def _out(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.slots.get(t.dtype)
+        if out is None:
+            out = self.slots[t.dtype] = torch.empty(2, dtype=t.dtype).unbind(0)  # type: ignore[assignment]
+        return out  # type: ignore[return-value]
+
+    def _grad(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
+        g = grads[0] if grads else None
+        if g is not None and g.numel():
+            torch.aminmax(g, out=self._out(g))
+
+    def _forward(self, module: nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+            torch.aminmax(out.detach(), out=self._out(out))
+            if out.grad_fn is not None:
+                self.tensor_handles.append(out.grad_fn.register_prehook(self._grad))
+
+    def _root(self, module: nn.Module, args: Any) -> None:
+        for handle in self.tensor_handles:  # the previous step's node hooks
+            handle.remove()
+        self.tensor_handles.clear()
+
+    @contextlib.contextmanager
+    def start(self) -> Any:
+        self.handles = [self.model.register_forward_pre_hook(self._root)]
+        self.handles += [m.register_forward_hook(self._forward) for m in self.model.modules() if m is not self.model]
+        try:
+            yield self
+        finally:
+            for handle in self.handles + self.tensor_handles:
+                handle.remove()
+            self.handles, self.tensor_handles = [], []
+
+
+def narrow_mlp(layers: int) -> Case:
+    """The cost benchmark's model (``cost_per_module.py --parts watch``): where Python work per module dominates."""
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        linear = nn.Linear(64, 64)
+        nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
+        nn.init.zeros_(linear.bias)
+        mods += [linear, nn.ReLU()]
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    return Case(f"{layers}-layer narrow MLP", nn.Sequential(*mods, nn.Linear(64, 10)), lambda: (x, y), cross_entropy)
+
+
 def run_block(
-    case: Case, doctor: Optional[ampdoctor.Watch], scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer,
+    case: Case, doctor: Any, scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer,
     steps: int, amp: bool,
 ) -> tuple[float, int]:
     """CPU seconds per step over ``steps`` steps, and how many of them GradScaler skipped. ``doctor`` (None for the
@@ -139,20 +203,24 @@ def run_block(
     return elapsed / steps, skipped
 
 
-def measure(case: Case, rounds: int, steps: int, warmup: int, amp: bool) -> dict[str, Any]:
+def measure(case: Case, rounds: int, steps: int, warmup: int, amp: bool, floor: bool = False) -> dict[str, Any]:
+    """``floor``: also time :class:`BareHooks` (mode ``"floor"``), interleaved with the others."""
+    modes = (*MODES, "floor") if floor else MODES
     scaler = torch.amp.GradScaler("cpu")
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-5)
-    doctors: dict[str, Optional[ampdoctor.Watch]] = {"plain": None}
+    doctors: dict[str, Any] = {"plain": None}
     for mode, every in (("watch", 50), ("watch_every", 1)):
         doctors[mode] = ampdoctor.Watch(
             case.called or case.model, scaler, stats_every=every, dtype=torch.float16, save_bundle=False
         )
-    for mode in MODES:  # warm-up: first skips (and their captures), allocator, lazy imports, compilation
+    if floor:
+        doctors["floor"] = BareHooks(case.called or case.model)
+    for mode in modes:  # warm-up: first skips (and their captures), allocator, lazy imports, compilation
         run_block(case, doctors[mode], scaler, opt, warmup, amp)
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     skipped = 0
     for r in range(rounds):
-        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
         for mode in order:
             per_step, skips = run_block(case, doctors[mode], scaler, opt, steps, amp)
             times[mode].append(per_step)
@@ -160,13 +228,13 @@ def measure(case: Case, rounds: int, steps: int, warmup: int, amp: bool) -> dict
     best = {m: min(v) for m, v in times.items()}  # CPU time: noise only ever adds, so the minimum is the cost
     # Each round's ratio to the plain block of the same round (neighbours in time see the same machine): the
     # median is the figure, the quartiles its spread.
-    per_round = {m: sorted(t / p for t, p in zip(times[m], times["plain"])) for m in MODES}
+    per_round = {m: sorted(t / p for t, p in zip(times[m], times["plain"])) for m in modes}
     ratios = {m: statistics.median(v) for m, v in per_round.items()}
     spread = {m: (_quantile(v, 0.25), _quantile(v, 0.75)) for m, v in per_round.items()}
     return {
         "model": case.name, "best_s": best, "ratio": ratios, "ratio_iqr": spread,
         "ratio_range": {m: (v[0], v[-1]) for m, v in per_round.items()},
-        "ratio_best": {m: best[m] / best["plain"] for m in MODES}, "skipped_in_measurement": skipped,
+        "ratio_best": {m: best[m] / best["plain"] for m in modes}, "skipped_in_measurement": skipped,
     }
 
 
@@ -186,6 +254,7 @@ def ratio_text(res: dict[str, Any], mode: str) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     rows = []
+    floor = any("floor" in res["best_s"] for res in results)
     for res in results:
         med = res["best_s"]
         rows.append(
@@ -196,11 +265,12 @@ def table(results: list[dict[str, Any]]) -> str:
                 ratio_text(res, "watch"),
                 f"{med['watch_every'] * 1e3:.1f}",
                 ratio_text(res, "watch_every"),
+                *([f"{med['floor'] * 1e3:.1f}", ratio_text(res, "floor")] if floor else []),
                 res["skipped_in_measurement"],
             ]
         )
     headers = ["model", "plain ms/step", "watch ms/step", "ratio [IQR]", "stats every step ms/step", "ratio [IQR]",
-               "skipped"]
+               *(["bare hooks ms/step", "ratio [IQR]"] if floor else []), "skipped"]
     return tabulate(rows, headers=headers, tablefmt="github")
 
 
@@ -222,6 +292,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend with --compile")
     parser.add_argument("--models", default="transformer,mlp,convnet", help="comma-separated subset")
     parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time bare per-module hooks (one aminmax per output and per output gradient)")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="instead of --models: the narrow MLP of this many Linear(64, 64)+ReLU layers")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.quick:
@@ -231,12 +305,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     amp = args.compute == "float16"
     makers = {"transformer": transformer, "mlp": mlp, "convnet": convnet}
     results = []
-    for name in args.models.split(","):
-        case = makers[name](args.large)
+    cases = [narrow_mlp(args.layers)] if args.layers else [makers[name](args.large) for name in args.models.split(",")]
+    for case in cases:
         if args.compile:
             case.called = torch.compile(case.model, backend=args.backend)
             case.name += f", compiled ({args.backend})"
-        results.append(measure(case, args.rounds, args.steps, args.warmup, amp))
+        results.append(measure(case, args.rounds, args.steps, args.warmup, amp, floor=args.floor))
     print(table(results))
     print(
         f"\ntorch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), "

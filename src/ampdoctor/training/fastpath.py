@@ -13,9 +13,12 @@
 
 from __future__ import annotations
 
+from array import array
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..capture.hooks import register_grad_hook
 
@@ -24,25 +27,23 @@ CHUNK_ROWS = 256
 
 
 class _Slab:
-    """Rows of (lo, hi) in one dtype on one device, with their 0-d views."""
+    """Rows of (lo, hi) in one dtype on one device, with their 0-d views (each row's pair made once, as the
+    ``out=`` argument of ``aminmax``)."""
 
-    __slots__ = ("device", "dtype", "chunks", "los", "his", "used", "ats")
+    __slots__ = ("device", "dtype", "chunks", "rows", "used", "ats")
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         self.chunks: list[torch.Tensor] = []
-        self.los: list[torch.Tensor] = []
-        self.his: list[torch.Tensor] = []
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # per row: its (lo, hi) views
         self.used = 0
-        self.ats: list[int] = []  # per used row: the index its lo takes among the step's numbers
+        self.ats = array("q")  # per used row: the index its lo takes among the step's numbers (a C array: the
+        # read-back makes it an index tensor without a Python loop)
 
     def grow(self) -> None:
         chunk = torch.empty(CHUNK_ROWS, 2, dtype=self.dtype, device=self.device)
         self.chunks.append(chunk)
-        for row in chunk.unbind(0):
-            lo, hi = row.unbind(0)
-            self.los.append(lo)
-            self.his.append(hi)
+        self.rows += [row.unbind(0) for row in chunk.unbind(0)]  # type: ignore[misc]
 
     def block(self) -> torch.Tensor:
         """The used rows, flat: lo, hi, lo, hi ..."""
@@ -54,31 +55,32 @@ class _Slab:
 
 
 class Slabs:
-    """One watch's slabs, reused by the collector of every step (see the module docstring)."""
+    """One watch's slabs, reused by the collector of every step (see the module docstring). ``last`` is the slab
+    of the last pair (models mostly run in one dtype on one device: the hot path finds it without a lookup)."""
+
+    __slots__ = ("_by_key", "owner", "last")
 
     def __init__(self) -> None:
         self._by_key: dict[tuple[torch.device, torch.dtype], _Slab] = {}
         self.owner: Optional[object] = None
+        self.last = _Slab(torch.device("meta"), torch.float64)  # matches no measured tensor: the first finds its own
 
-    def put(self, owner: object, t: torch.Tensor, at: int) -> None:
-        """Measure ``t`` (detached) into the next row; ``at`` is where its lo goes among the step's numbers."""
-        if owner is not self.owner:  # a new step's first pair: the previous step was read (or dropped)
+    def find(self, owner: object, t: torch.Tensor) -> _Slab:
+        """The slab of ``t``'s device and dtype, claimed for ``owner`` (a new step's first pair: the previous
+        step's rows were read, or are dropped)."""
+        if owner is not self.owner:
             self.owner = owner
             for each in self._by_key.values():
                 each.used = 0
-                each.ats.clear()
+                del each.ats[:]
         key = (t.device, t.dtype)
         slab = self._by_key.get(key)
         if slab is None:
             slab = self._by_key[key] = _Slab(*key)
-        i = slab.used
-        if i == len(slab.los):
-            slab.grow()
-        torch.aminmax(t, out=(slab.los[i], slab.his[i]))  # one pass; NaN and inf show up in the result
-        slab.used = i + 1
-        slab.ats.append(at)
+        self.last = slab
+        return slab
 
-    def blocks(self, owner: object) -> list[tuple[torch.Tensor, list[int]]]:
+    def blocks(self, owner: object) -> list[tuple[torch.Tensor, array[int]]]:
         """The owner's rows: per slab in use, its flat values and the index of each row's lo."""
         if owner is not self.owner:
             return []
@@ -113,3 +115,33 @@ class NodeHook:
         g = grads[self.nr] if self.nr < len(grads) else None
         if g is not None:
             self.receive(g)
+
+
+def _plain_handles() -> bool:
+    """torch's RemovableHandle is what :func:`remove_handles` reads (a weak reference to its hooks dict, an id,
+    no extra dicts); checked once, on a handle of our own."""
+    hooks: OrderedDict[int, Any] = OrderedDict()  # what torch keeps hooks in (a plain dict has no weak reference)
+    try:
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = None
+        ref = handle.hooks_dict_ref
+        plain = ref() is hooks and handle.extra_dict_ref == ()
+        handle.remove()
+        return plain and not hooks
+    except Exception:
+        return False
+
+
+_PLAIN_HANDLES = _plain_handles()
+
+
+def remove_handles(handles: list[Any]) -> None:
+    """``handle.remove()`` for each of a step's gradient-hook handles (hundreds with statistics every step): a
+    node hook's plain handle is removed inline (what ``RemovableHandle.remove`` does, without the call)."""
+    for handle in handles:
+        if _PLAIN_HANDLES and type(handle) is RemovableHandle and not handle.extra_dict_ref:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None:
+                hooks.pop(handle.id, None)
+        else:
+            handle.remove()

@@ -144,6 +144,7 @@ class Forecaster:
         self.format_max = format_max
         self.dtype = dtype
         self.series: dict[str, deque[tuple[int, float]]] = {}
+        self.now: dict[str, float] = {}  # each module's latest headroom (the last point of its series)
         self.order: dict[str, int] = {}  # first seen, in completion order (a child before its parent)
         self.at_risk: dict[str, int] = {}  # consecutive checks at risk
         self.fits: dict[str, Fit] = {}  # the latest fit of each module checked
@@ -153,13 +154,16 @@ class Forecaster:
 
     def latest(self) -> dict[str, float]:
         """The latest headroom (bits) of every module seen."""
-        return {m: s[-1][1] for m, s in self.series.items() if s}
+        return dict(self.now)
 
     def tightest(self, k: int, among: Optional[Iterable[str]] = None) -> list[str]:
-        """The ``k`` modules with the least latest headroom (of ``among`` when given), tightest first."""
-        latest = self.latest()
-        names = [m for m in (among if among is not None else latest) if m in latest]
-        return sorted(names, key=lambda m: (latest[m], self.order.get(m, 0)))[:k]
+        """The ``k`` modules with the least latest headroom (of ``among`` when given), tightest first (ties: the
+        first seen first)."""
+        now = self.now
+        names = [m for m in among if m in now] if among is not None else list(now)
+        names.sort(key=self.order.__getitem__)  # two stable sorts on C-level keys: by (headroom, first seen)
+        names.sort(key=now.__getitem__)
+        return names[:k]
 
     def observe(self, step: int, maxima: Mapping[str, float]) -> Optional[Forecast]:
         """One check: each module's |x|max at ``step`` (in completion order). Returns a forecast to warn about
@@ -175,9 +179,11 @@ class Forecaster:
                 self.order[module] = len(self.order)
             series = self.series[module]
             if series and series[-1][0] == step:
-                series[-1] = (step, min(bits, series[-1][1]))
+                bits = min(bits, series[-1][1])
+                series[-1] = (step, bits)
             else:
                 series.append((step, bits))
+            self.now[module] = bits
             checked.append(module)
         self.checked = checked
         risky: list[Forecast] = []

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Optional, Protocol
 
 import torch
@@ -28,8 +29,14 @@ from .compiled import CompiledStats, RootTap, is_compiled
 from .fastpath import hang_grad_hook
 from .optrack import OpTracker
 from .quiet import diagnosing, recomputing
-from .readback import MicroBatch, StepState, loss_value
+from .readback import MicroBatch, PairKey, StepState, loss_value
 from .replay_step import Capture, own_loss
+
+
+def unseen() -> Any:
+    """Our own reads of the model's tensors, out of sight of any torch function mode running (a survey's, a tap's,
+    the user's): they are no op of the model's. Nothing to enter when none runs (the common case)."""
+    return torch._C.DisableTorchFunction() if torch._C._is_torch_function_mode_enabled() else nullcontext()
 
 
 class WatchedRun(Protocol):
@@ -173,7 +180,8 @@ class WatchHooks:
                 w.low = autocast_dtype(w.device_type)
                 if w.low is None and not self.probed:
                     self._probe_autocast()
-            micro = MicroBatch.keep(module, args, kwargs, w.targets, weights=w.scaler is None)
+            with unseen():
+                micro = MicroBatch.keep(module, args, kwargs, w.targets, weights=w.scaler is None)
             cur = w.cur
             if len(cur.micro) >= MAX_MICRO_BATCHES:
                 cur.micro.popleft()
@@ -197,6 +205,11 @@ class WatchHooks:
         self.ops.end_survey()
         if self.compiled is not None:
             self.compiled.on = False
+        with unseen():
+            self._root_outputs(output)
+
+    def _root_outputs(self, output: Any) -> None:
+        w = self.w
         try:
             micro = w.cur.micro[-1]
             loss = own_loss(output)
@@ -272,14 +285,15 @@ class WatchHooks:
 
 class _ModuleProbe:
     """The forward hook of one module: its floating outputs' (lo, hi) into the current step, and gradient hooks
-    on them on sampled steps. Made once per module; nothing is allocated per call but the measured pair."""
+    on them on sampled steps. Made once per module, with its pair keys and gradient receivers: a call allocates
+    nothing but a 1-tuple, Python ints and the gradient hook's handle."""
 
-    __slots__ = ("hooks", "w", "name", "low", "other")
+    __slots__ = ("hooks", "w", "name", "keys", "receivers")
 
     def __init__(self, hooks: WatchHooks, name: str) -> None:
         self.hooks, self.w, self.name = hooks, hooks.w, name
-        self.low: Optional[_GradReceiver] = None  # the gradient receivers, made when first needed
-        self.other: Optional[_GradReceiver] = None
+        self.keys: tuple[PairKey, PairKey] = (("out", name, False), ("out", name, True))  # by low dtype
+        self.receivers: list[Optional[_GradReceiver]] = [None, None]  # by low dtype, made when first needed
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         hooks = self.hooks
@@ -293,67 +307,79 @@ class _ModuleProbe:
                 return
         if not self.name:
             return  # the root: recorded by root_post
+        if torch._C._is_torch_function_mode_enabled():  # a mode runs: our reads (properties too) are unseen()
+            with torch._C.DisableTorchFunction():
+                self._record(output)
+        else:
+            self._record(output)
+
+    def _record(self, output: Any) -> None:
         try:
-            if type(output) is torch.Tensor:  # the common case, without walking
-                self._tensor(output)
-            else:
-                for _, t in iter_tensors(output, "out"):
-                    self._tensor(t)
+            # the common case (one tensor) without walking; the loop body is the hot path: no call of our own
+            # but the collector's put
+            tensors = (output,) if type(output) is torch.Tensor else [t for _, t in iter_tensors(output, "out")]
+            w = self.w
+            cur = w.cur
+            for t in tensors:
+                if not t.is_floating_point() or not t.numel():
+                    continue
+                low = t.dtype is w.low
+                cur.collector.put(self.keys[low], t.detach())
+                if not self.hooks.grads_on:
+                    continue
+                node = t.grad_fn
+                if node is not None:
+                    receive = self.receivers[low] or self._receiver(low)
+                    # hang_grad_hook's common case, inline: a node's first output, no view. The handle goes
+                    # straight into the step's list (a Ctrl-C in between leaves a hook on this step's graph only,
+                    # which dies with it)
+                    if t._base is None and t.output_nr == 0:
+                        cur.tensor_handles.append(node.register_prehook(receive.node0))
+                    else:
+                        _hang(cur.tensor_handles, t, receive)
+                elif t.requires_grad:  # a leaf that asks for a gradient (a module handing back its input)
+                    _hang(cur.tensor_handles, t, self.receivers[low] or self._receiver(low))
         except Exception as exc:
             self.w.fail(exc)
 
-    def _tensor(self, t: torch.Tensor) -> None:
-        if not t.is_floating_point() or t.numel() == 0:
-            return
-        w = self.w
-        low = t.dtype == w.low
-        cur = w.cur
-        cur.collector.pair("out", self.name, t.detach(), low)
-        if t.requires_grad and self.hooks.grads_on:
-            receive = self.low if low else self.other
-            if receive is None:
-                receive = self.hooks.receiver(self.name, low)
-                if low:
-                    self.low = receive
-                else:
-                    self.other = receive
-            _hang(cur.tensor_handles, t, receive)
+    def _receiver(self, low: bool) -> _GradReceiver:
+        receive = self.receivers[low] = self.hooks.receiver(self.name, low)
+        return receive
 
 
 @uninterrupted
 def _hang(handles: list[Any], t: torch.Tensor, receive: _GradReceiver) -> None:
-    node = t.grad_fn
-    if node is not None and t._base is None and t.output_nr == 0:  # hang_grad_hook's common case, inline
-        handles.append(node.register_prehook(receive.node0))
-    else:
-        handles.append(hang_grad_hook(t, receive, receive.node0))
+    handles.append(hang_grad_hook(t, receive, receive.node0))
 
 
 class _GradReceiver:
     """Records the (lo, hi) of one module's output gradients in the watch's current step."""
 
-    __slots__ = ("hooks", "w", "name", "low", "node0")
+    __slots__ = ("hooks", "w", "key", "low", "node0")
 
     def __init__(self, hooks: WatchHooks, name: str, low: bool) -> None:
         self.hooks = hooks
         self.w = hooks.w
-        self.name = name
+        self.key: PairKey = ("grad", name, low)
         self.low = low
         self.node0 = self.first  # the node pre-hook of a node's first output, made once
 
     def first(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
-        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does, one call
-        less)."""
+        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does, and
+        :meth:`__call__`, in one call: this runs for every module output in every sampled backward)."""
         g = grads[0] if grads else None
-        if g is not None:
-            self(g)
-
-    def __call__(self, g: torch.Tensor) -> None:
+        if g is None:
+            return
         try:
             if g.numel():
+                if torch.is_grad_enabled():  # a double backward (create_graph=True): the value, off the graph
+                    g = g.detach()
                 collector = self.w.cur.collector
-                collector.pair("grad", self.name, g.detach(), self.low)
+                collector.put(self.key, g)
                 if self.low and self.hooks.count_underflow:  # sampled steps: a sink wants the underflow share
-                    collector.underflow(g.detach())
+                    collector.underflow(g)
         except Exception as exc:
             self.w.fail(exc)
+
+    def __call__(self, g: torch.Tensor) -> None:
+        self.first((g,))

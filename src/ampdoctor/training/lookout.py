@@ -96,9 +96,14 @@ class Lookout:
             # one module per value: a container returning its last child's output, or an in-place ReLU handing
             # back its input, measures the very same tensor again (children complete first and are kept)
             distinct: dict[float, str] = {}
-            for m, value in seen.items():
-                if m and not is_op_key(m):
-                    distinct.setdefault(value, m)
+            if out_max is not None:  # modules only, no op keys
+                for m, value in out_max.items():
+                    if m:
+                        distinct.setdefault(value, m)
+            else:
+                for m, value in seen.items():
+                    if m and not is_op_key(m):
+                        distinct.setdefault(value, m)
             return f.tightest(TRACKED_MODULES, list(distinct.values()))
         return None
 

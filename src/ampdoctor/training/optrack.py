@@ -74,14 +74,18 @@ class _Survey(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if self.stack and not measuring():
-            name, made = _counted(func, args, out)
-            if name is not None:
-                module, counts = self.stack[-1]  # the innermost call: its children's ops aside, as captures count
-                n = counts.get(name, 0)
-                counts[name] = n + 1
-                if made:
-                    self.measure(op_key(module, name, n), out.detach())
+            with torch._C.DisableTorchFunction():  # our reads are no op of the model's for a mode below this one
+                self._count(func, args, out)
         return out
+
+    def _count(self, func: Any, args: Any, out: Any) -> None:
+        name, made = _counted(func, args, out)
+        if name is not None:
+            module, counts = self.stack[-1]  # the innermost call: its children's ops aside, as captures count
+            n = counts.get(name, 0)
+            counts[name] = n + 1
+            if made:
+                self.measure(op_key(module, name, n), out.detach())
 
     def pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
@@ -105,13 +109,17 @@ class _Tap(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if not self.depth and not measuring():
-            name, made = _counted(func, args, out)
-            if name is not None:
-                n = self.counts.get(name, 0)
-                self.counts[name] = n + 1
-                if made and n in self.wanted.get(name, ()):
-                    self.measure(op_key(self.module, name, n), out.detach())
+            with torch._C.DisableTorchFunction():  # our reads are no op of the model's for a mode below this one
+                self._count(func, args, out)
         return out
+
+    def _count(self, func: Any, args: Any, out: Any) -> None:
+        name, made = _counted(func, args, out)
+        if name is not None:
+            n = self.counts.get(name, 0)
+            self.counts[name] = n + 1
+            if made and n in self.wanted.get(name, ()):
+                self.measure(op_key(self.module, name, n), out.detach())
 
 
 class OpTracker:

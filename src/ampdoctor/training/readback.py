@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from ..capture.cleanup import uninterrupted
 from ..capture.state import RngState
 from ..capture.walk import iter_tensors
 from ..records import FrozenMap, StepRecord
-from .fastpath import Slabs
+from .fastpath import Slabs, remove_handles
 
 # What a (lo, hi) pair of the collector measures: a root output, a module output, or an output's gradient.
 PairKind = Literal["root", "out", "grad", "op"]  # "op": an op inside a module (.optrack), module "<module>:<op>#<n>"
@@ -70,6 +71,8 @@ class MicroBatch:
         return self.out_grads
 
 
+# What a pair is: its kind, its module ("" the root) and whether the tensor was in the low-precision format.
+PairKey = tuple[PairKind, str, bool]
 # One measured (lo, hi) pair: what it measures, the module ("" the root), its values, and whether the tensor was
 # in the low-precision format.
 Pair = tuple[PairKind, str, float, float, bool]
@@ -84,13 +87,11 @@ class Collector:
         self.slabs = slabs if slabs is not None else Slabs()
         self.values: list[torch.Tensor] = []  # 0-d, or 1-D blocks (each spans block.numel() numbers)
         self._starts: list[int] = []  # index of each value's first number
-        # Per pair, in parallel lists: index of lo, kind, module, low dtype. Flat lists of ints, strings and bools
-        # make no object the garbage collector tracks: with statistics every step, a tuple per tensor made
-        # collections of the whole heap a measurable share of the step.
+        # Per pair, in parallel lists: the index of its lo, and its key (kind, module, low dtype): a tuple made once
+        # per module and dtype by the hooks, so a pair allocates nothing the garbage collector tracks (with
+        # statistics every step, a tuple per tensor made collections of the whole heap a measurable share of it).
         self._at: list[int] = []
-        self._kinds: list[PairKind] = []
-        self._modules: list[str] = []
-        self._lows: list[bool] = []
+        self._keys: list[PairKey] = []
         self.size = 0  # numbers in all values and pairs
         self.small: list[tuple[int, int]] = []  # (index of [zeros, below tiny], numel) of low-precision gradients
 
@@ -104,14 +105,27 @@ class Collector:
 
     def pair(self, kind: PairKind, module: str, t: torch.Tensor, low: bool) -> int:
         """The (lo, hi) of ``t`` (detached), one pass on the device; returns the index of lo (hi follows)."""
-        index = self.size
-        self.slabs.put(self, t, index)
-        self.size = index + 2
-        self._at.append(index)
-        self._kinds.append(kind)
-        self._modules.append(module)
-        self._lows.append(low)
-        return index
+        return self.put((kind, module, low), t)
+
+    def put(self, key: PairKey, t: torch.Tensor) -> int:
+        """:meth:`pair` with its key made beforehand (the hooks' hot path: one call, nothing allocated but
+        Python ints). ``aminmax`` writes straight into the next row of the watch's slab for ``t``'s device and
+        dtype."""
+        slabs = self.slabs
+        slab = slabs.last
+        if slabs.owner is not self or slab.dtype is not t.dtype or slab.device != t.device:
+            slab = slabs.find(self, t)  # a new step's first pair, or another dtype or device than the last
+        i = slab.used
+        if i == len(slab.rows):
+            slab.grow()
+        torch.aminmax(t, out=slab.rows[i])  # one pass; NaN and inf show up in the result
+        slab.used = i + 1
+        at = self.size
+        self.size = at + 2
+        slab.ats.append(at)
+        self._at.append(at)
+        self._keys.append(key)
+        return at
 
     def underflow(self, g: torch.Tensor) -> None:
         """Count a low-precision gradient's zeros and its values below the smallest normal (two reductions)."""
@@ -127,38 +141,65 @@ class Collector:
         return sum(numbers[i + 1] - numbers[i] for i, _ in self.small) / nonzero
 
     def pairs(self, numbers: list[float]) -> list[Pair]:
-        return [
-            (kind, module, numbers[i], numbers[i + 1], low)
-            for i, kind, module, low in zip(self._at, self._kinds, self._modules, self._lows)
-        ]
+        return [(key[0], key[1], numbers[i], numbers[i + 1], key[2]) for i, key in zip(self._at, self._keys)]
 
     def read(self) -> list[float]:
-        """Every number as a Python float: per device one ``cat`` of the slabs' used rows and the other values
-        (float16/bfloat16/float32 promote to float64 there, exactly) and one ``tolist``."""
+        """Every number as a Python float: per device one ``cat`` of the slabs' used rows and the other values,
+        widened to float64 (exact for every floating format), and one ``tolist``. The numbers go to their indices
+        by a Python loop when the pairs are few, else by one scatter on the host (no loop over hundreds of pairs:
+        statistics every step on a deep model)."""
         if not self.size:
             return []
-        numbers: list[float] = [math.nan] * self.size
-        by_device: dict[torch.device, list[tuple[torch.Tensor, Optional[list[int]], int]]] = {}
+        by_device: dict[torch.device, list[tuple[torch.Tensor, Optional[array[int]], int]]] = {}
         for flat_pairs, pair_ats in self.slabs.blocks(self):  # pairs: lo at each index in ats, hi right after
             by_device.setdefault(flat_pairs.device, []).append((flat_pairs, pair_ats, 0))
         for v, start in zip(self.values, self._starts):
             by_device.setdefault(v.device, []).append((v.detach().reshape(-1), None, start))
+        numbers: list[float] = [math.nan] * self.size
         for parts in by_device.values():  # one device, unless the model is split across devices
-            dtype = torch.promote_types(parts[0][0].dtype, torch.float32) if len(parts) == 1 else torch.float64
-            flat = torch.cat([p.to(dtype) for p, _, _ in parts]).tolist() if len(parts) > 1 else (
-                parts[0][0].to(dtype).tolist())
+            flat = torch.cat([p.to(torch.float64) for p, _, _ in parts]) if len(parts) > 1 else parts[0][0].double()
+            if sum(len(ats) for _, ats, _ in parts if ats is not None) >= SCATTER_PAIRS:
+                _scatter(numbers, flat.cpu(), parts)
+                continue
+            values = flat.tolist()
             k = 0
             for block, ats, start in parts:
                 if ats is not None:
                     for at in ats:
-                        numbers[at] = flat[k]
-                        numbers[at + 1] = flat[k + 1]
+                        numbers[at] = values[k]
+                        numbers[at + 1] = values[k + 1]
                         k += 2
                 else:
                     n = block.numel()
-                    numbers[start : start + n] = flat[k : k + n]
+                    numbers[start : start + n] = values[k : k + n]
                     k += n
         return numbers
+
+
+# From this many pairs on a device, the read-back places its numbers by a scatter on the host (a few fixed-cost
+# tensor ops) rather than a Python loop over the pairs (about a tenth of a microsecond each).
+SCATTER_PAIRS = 256
+
+
+def _scatter(
+    numbers: list[float], flat: torch.Tensor, parts: list[tuple[torch.Tensor, Optional[array[int]], int]]
+) -> None:
+    """Put one device's numbers (``flat``, float64 on the host, in the order of ``parts``) at their indices."""
+    places = []
+    for block, ats, start in parts:
+        if ats is not None:
+            at = torch.frombuffer(ats, dtype=torch.long)  # no copy: used at once
+            places.append(torch.stack((at, at + 1), 1).reshape(-1))
+        else:
+            places.append(torch.arange(start, start + block.numel()))
+    if len(numbers) == flat.numel():  # the only device: every index is filled
+        out = torch.empty(len(numbers), dtype=torch.float64)
+        out[torch.cat(places)] = flat
+        numbers[:] = out.tolist()
+        return
+    index = torch.cat(places).tolist()
+    for i, value in zip(index, flat.tolist()):
+        numbers[i] = value
 
 
 @dataclass
@@ -174,6 +215,7 @@ class StepState:
     tensor_handles: list[Any] = field(default_factory=list)
     pairs: list[Pair] = field(default_factory=list)  # after the read-back: every measured pair (the forecast's)
     numbers: list[float] = field(default_factory=list)  # after the read-back: every number read
+    out_max: dict[str, float] = field(default_factory=dict)  # after the read-back: the record's out_abs_max
 
     @classmethod
     def on(cls, slabs: Slabs) -> StepState:
@@ -182,8 +224,7 @@ class StepState:
 
     @uninterrupted
     def remove_hooks(self) -> None:
-        for handle in self.tensor_handles:
-            handle.remove()
+        remove_handles(self.tensor_handles)
         self.tensor_handles.clear()
 
     def read(
@@ -210,7 +251,8 @@ class StepState:
             pairs += decoded.pairs
             weight_norm.update(decoded.weight_norm)
         record, bad = step_record(
-            step, rank, numbers, pairs, list(self.micro), self.orphan_losses, sampled, self.forwards, scales
+            step, rank, numbers, pairs, list(self.micro), self.orphan_losses, sampled, self.forwards, scales,
+            self.out_max,
         )
         return dataclasses.replace(record, weight_norm=FrozenMap(weight_norm)) if weight_norm else record, bad
 
@@ -255,8 +297,11 @@ def step_record(
     sampled: bool,
     forwards: int,
     scales: StepScales,
+    out_max: Optional[dict[str, float]] = None,
 ) -> tuple[StepRecord, list[bool]]:
     """The step's record from the numbers read back, and which micro-batches had a non-finite forward.
+    ``out_max``: a dict to fill with the record's output maxima (a plain dict for the forecast to read: a
+    record's FrozenMap reads each key through a Python call).
 
     ``orphans`` are losses seen by ``scaler.scale`` without a root forward of this step (kept for the mean loss).
     """
@@ -270,7 +315,7 @@ def step_record(
     ]
     forward_finite = not any(bad_micro) and all(math.isfinite(numbers[i]) for i in orphans)
     skipped = scales.found_inf > 0 if scales.found_inf is not None else scales.after < scales.before
-    out_max: dict[str, float] = {}
+    out_max = {} if out_max is None else out_max
     grad_max: dict[str, float] = {}
     bad_out: list[str] = []
     bad_grad: list[str] = []
