@@ -578,3 +578,23 @@ def test_scaled_down_example() -> None:
     survey = TensorStats(dtype="float16", shape=(2,), min=-8.0, max=8.0, zero_count=0)
     scaled_survey = survey.scaled_down(8.0)
     assert (scaled_survey.min, scaled_survey.max, scaled_survey.finite_min) == (-1.0, 1.0, None)
+
+
+@pytest.mark.parametrize(("fills", "expected"), [
+    ((math.nan, -math.inf), (-math.inf, math.nan)),  # -inf behind the NaN: the min says so
+    ((math.nan, math.inf), (math.nan, math.inf)),
+    ((math.nan,), (math.nan, math.nan)),
+])
+def test_a_large_float16_tensor_says_which_inf_hides_behind_a_nan(
+    fills: tuple[float, ...], expected: tuple[float, float]
+) -> None:
+    """Over 4 chunks, the NaN-ignoring sum goes chunk by chunk (no float32 copy of the whole tensor): the inf
+    placed in the last chunk still shows beside the NaN placed in the first."""
+    from ampdoctor.capture.stats import CHUNK
+
+    t = torch.ones(5 * CHUNK + 3, dtype=torch.float16)
+    for i, value in enumerate(fills):
+        t[i * (5 * CHUNK)] = value
+    stats = tensor_stats(t, torch.float16, detailed=False)
+    assert (stats.min, stats.max) == pytest.approx(expected, nan_ok=True)
+    assert not stats.is_finite

@@ -77,6 +77,14 @@ class Internal:
 INTERNAL = Internal()
 
 
+def _nansum32(w: torch.Tensor) -> torch.Tensor:
+    """The NaN-ignoring float32 sum of ``w``. Summing a low-precision tensor with ``dtype=float32`` first makes a
+    float32 copy of all of it, so a large one is summed in chunks (inf + -inf is NaN either way)."""
+    if w.dtype == torch.float32 or w.numel() <= 4 * CHUNK:
+        return torch.nansum(w, dtype=torch.float32)
+    return torch.stack([torch.nansum(c, dtype=torch.float32) for c in chunks(w, CHUNK)]).sum()
+
+
 def chunks(x: torch.Tensor, size: int = CHUNK) -> Iterator[torch.Tensor]:
     """``x`` flattened, in pieces of at most ``size`` elements; only a non-contiguous piece is ever copied."""
     if x.is_contiguous() or x.numel() <= size:
@@ -210,7 +218,7 @@ class StatsCollector:
             survey[1].append(high)
             # A NaN hides any inf from aminmax: the NaN-ignoring sum is infinite (or NaN, for +inf and -inf)
             # exactly when an inf is there, so the pass that saw an overflow can say so without a detailed re-run.
-            survey[3].append(torch.nansum(w, dtype=torch.float32))
+            survey[3].append(_nansum32(w))
             index = len(survey[0]) - 1
             if level == 1:  # stored as a nonzero count, turned into a zero count in read()
                 survey[2].append(torch.count_nonzero(w))
