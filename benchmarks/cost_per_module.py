@@ -17,7 +17,9 @@
   the same model; memory in fresh subprocesses as above.
 
 Times are process CPU time (other processes on a shared machine do not count) unless said otherwise; every ratio
-is a median over ``--repeats`` rounds with plain and measured modes interleaved.
+is a median over ``--repeats`` rounds with plain and measured modes interleaved. Memory ratios too: ``--repeats``
+pairs of fresh subprocesses (a plain step, a diagnose), the median of the per-pair ratios and their range (a step
+of a few MiB reads +-1 MiB between runs).
 
     python benchmarks/cost_per_module.py            # everything (several minutes on a 2-core CPU)
     python benchmarks/cost_per_module.py --quick    # smoke run: fewer repeats, smaller encoder batch
@@ -151,6 +153,29 @@ def _subprocess_json(args: list[str], tag: str) -> Any:
     return None
 
 
+def _memory_rounds(plain_args: list[str], diagnose_args: list[str], rounds: int) -> dict[str, Any]:
+    """Peak RSS increments of a plain step and of a diagnose, each in its own fresh subprocess, ``rounds`` pairs:
+    the medians, the median of the per-pair ratios and their spread (a few-MiB step reads +-1 MiB between runs)."""
+    pairs = []
+    for _ in range(max(1, rounds)):
+        plain = _subprocess_json(plain_args, "AMPDOCTOR_MEMORY")
+        diag = _subprocess_json(diagnose_args, "AMPDOCTOR_MEMORY")
+        if plain and diag is not None:
+            pairs.append((plain, diag))
+    if not pairs:
+        return {"plain_mib": None, "diagnose_mib": None, "memory_x": None, "memory_spread": None}
+    ratios = [d / p for p, d in pairs]
+    return {"plain_mib": statistics.median(p for p, _ in pairs), "diagnose_mib": statistics.median(d for _, d in pairs),
+            "memory_x": statistics.median(ratios), "memory_spread": (min(ratios), max(ratios))}
+
+
+def _memory_cell(row: dict[str, Any]) -> str:
+    mx, spread = row["memory_x"], row.get("memory_spread")
+    if mx is None:
+        return "n/a"
+    return f"{mx:.2f}×" + (f" [{spread[0]:.2f}–{spread[1]:.2f}]" if spread and spread[0] != spread[1] else "")
+
+
 def measure_tenk(repeats: int, memory: bool) -> dict[str, Any]:
     import ampdoctor
     from ampdoctor.report.html import render_html
@@ -176,10 +201,8 @@ def measure_tenk(repeats: int, memory: bool) -> dict[str, Any]:
         "json_bytes": len(js.encode()), "json_s": json_s,
     }
     if memory:
-        plain_mib = _subprocess_json(["--_worker", "memory", "--mode", "plain"], "AMPDOCTOR_MEMORY")
-        diag_mib = _subprocess_json(["--_worker", "memory", "--mode", "diagnose"], "AMPDOCTOR_MEMORY")
-        out.update(plain_mib=plain_mib, diagnose_mib=diag_mib,
-                   memory_x=diag_mib / plain_mib if plain_mib and diag_mib is not None else None)
+        out.update(_memory_rounds(["--_worker", "memory", "--mode", "plain"],
+                                  ["--_worker", "memory", "--mode", "diagnose"], repeats))
     return out
 
 
@@ -317,10 +340,8 @@ def measure_failing(repeats: int, memory: bool) -> dict[str, Any]:
             "passes": [(p.purpose, round(p.seconds, 2)) for p in report.run.passes],
         }
         if memory:
-            plain_mib = _subprocess_json(["--_worker", "failing", "--mode", f"plain:{variant}"], "AMPDOCTOR_MEMORY")
-            diag_mib = _subprocess_json(["--_worker", "failing", "--mode", f"diagnose:{variant}"], "AMPDOCTOR_MEMORY")
-            row.update(plain_mib=plain_mib, diagnose_mib=diag_mib,
-                       memory_x=diag_mib / plain_mib if plain_mib and diag_mib is not None else None)
+            row.update(_memory_rounds(["--_worker", "failing", "--mode", f"plain:{variant}"],
+                                      ["--_worker", "failing", "--mode", f"diagnose:{variant}"], repeats))
         out[variant] = row
     return out
 
@@ -341,8 +362,8 @@ def report(results: dict[str, Any]) -> None:
               f"{_gate(t['diagnose_x'], GATES['tenk_time'])} |")
         if "memory_x" in t:
             mx = t["memory_x"]
-            print(f"| 10,000 modules: diagnose peak memory / plain step's ({t['diagnose_mib']:.0f} / "
-                  f"{t['plain_mib']:.0f} MiB) | {'n/a' if mx is None else f'{mx:.2f}×'} | ≤ {GATES['tenk_memory']} | "
+            print(f"| 10,000 modules: diagnose peak memory / plain step's (medians {t['diagnose_mib'] or 0:.1f} / "
+                  f"{t['plain_mib'] or 0:.1f} MiB) | {_memory_cell(t)} | ≤ {GATES['tenk_memory']} | "
                   f"{_gate(mx, GATES['tenk_memory'])} |")
         print(f"| 10,000 modules: HTML report (rendered in {t['html_s']:.2f} s; text {t['text_bytes'] / 1024:.0f} KiB "
               f"in {t['text_s']:.2f} s, JSON {t['json_bytes'] / 2**20:.1f} MiB in {t['json_s']:.2f} s) | "
@@ -369,8 +390,8 @@ def report(results: dict[str, Any]) -> None:
               f"≤ {GATES['failing']:g} | {_gate(r['diagnose_x'], GATES['failing'])} |")
         if "memory_x" in r:
             mx = r["memory_x"]
-            print(f"| failing diagnose, {variant}: peak memory / plain step's ({r['diagnose_mib']:.0f} / "
-                  f"{r['plain_mib']:.0f} MiB) | {'n/a' if mx is None else f'{mx:.2f}×'} | "
+            print(f"| failing diagnose, {variant}: peak memory / plain step's (medians {r['diagnose_mib'] or 0:.1f} / "
+                  f"{r['plain_mib'] or 0:.1f} MiB) | {_memory_cell(r)} | "
                   f"≤ {GATES['failing_memory']} | {_gate(mx, GATES['failing_memory'])} |")
     f = results.get("first")
     if f:
