@@ -264,6 +264,24 @@ class LossPrediction:
         row = self._index.get(module)
         return 0.0 if row is None else float(self._prefix[row, column])
 
+    def lowest_useful(self, counts: Mapping[str, int], top: int, share: float) -> dict[str, int]:
+        """Per module of ``counts`` (its nonzero gradient values, > 0): the smallest exponent ``e <= top`` such
+        that every scale ``2**k`` with ``e <= k < top`` is predicted to lose under ``share`` of them, walking
+        down from ``top`` (all modules at once: a model of thousands of modules asks for each)."""
+        names = list(counts)
+        if top <= 0 or not names:
+            return dict.fromkeys(names, max(top, 0))
+        width = self._prefix.shape[1]
+        columns = [self._column(k, width) for k in range(top - 1, -1, -1)]  # scales 2**(top-1) down to 1
+        lost = np.zeros((len(names), len(columns)))
+        known = [(i, self._index[m]) for i, m in enumerate(names) if m in self._index]
+        if known:
+            at, rows = zip(*known)
+            lost[list(at)] = self._prefix[np.ix_(list(rows), columns)]
+        total = np.asarray([counts[m] for m in names], dtype=np.float64)[:, None]
+        keeps = np.cumprod(lost / total < share, axis=1).sum(axis=1)  # scales kept in a row, from the top down
+        return {m: top - int(k) for m, k in zip(names, keeps)}
+
     def gradient_share(self, exponent: int) -> float:
         """The share of the low-precision gradients' nonzero values they would lose together (0 without any)."""
         if not self._total_gradients:
@@ -276,8 +294,11 @@ def _prefixes(rows: Sequence[Sequence[float]], groups: Sequence[int], count: int
     """Cumulative counts (a leading 0) of the rows summed by group: one row per group."""
     width = max((len(r) for r in rows), default=0)
     summed = np.zeros((count, width), dtype=np.float64)
-    for group, row in zip(groups, rows):
-        summed[group, : len(row)] += np.asarray(row, dtype=np.float64)
+    if rows and all(len(r) == width for r in rows):
+        np.add.at(summed, np.asarray(groups, dtype=np.int64), np.asarray(rows, dtype=np.float64))
+    else:
+        for group, row in zip(groups, rows):
+            summed[group, : len(row)] += np.asarray(row, dtype=np.float64)
     return np.concatenate((np.zeros((count, 1)), np.cumsum(summed, axis=1)), axis=1)
 
 

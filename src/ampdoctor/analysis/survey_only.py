@@ -130,15 +130,9 @@ def predicted_window(
     total = sum(by_module.values())
     if not total or prediction.lost(0) > SKIP_SHARE * total or prediction.gradient_share(0) >= CONFIDENT_GRADIENTS:
         return None
-    per_module: dict[str, float] = {}
-    for info in modules:
-        count = by_module.get(info.name, 0)
-        if not info.params or not count:
-            continue
-        exponent = t
-        while exponent > 0 and prediction.lost(exponent - 1, info.name) / count < SCALE_WINDOW_LOSS_SHARE:
-            exponent -= 1
-        per_module[info.name] = 2.0**exponent
+    counts = {info.name: by_module[info.name] for info in modules if info.params and by_module.get(info.name)}
+    lowest = prediction.lowest_useful(counts, t, SCALE_WINDOW_LOSS_SHARE)
+    per_module = {name: 2.0**exponent for name, exponent in lowest.items()}
     return ScaleWindow(
         current=survey.scale,
         max_safe=2.0**t,
