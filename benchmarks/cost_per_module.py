@@ -214,15 +214,7 @@ def measure_watch(layers: int, rounds: int, steps: int) -> dict[str, Any]:
     import watch_overhead
 
     torch.manual_seed(0)
-    mods: list[nn.Module] = []
-    for _ in range(layers):
-        linear = nn.Linear(64, 64)
-        nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
-        nn.init.zeros_(linear.bias)
-        mods += [linear, nn.ReLU()]
-    model = nn.Sequential(*mods, nn.Linear(64, 10))
-    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
-    case = watch_overhead.Case(f"{layers}-layer narrow MLP", model, lambda: (x, y), watch_overhead.cross_entropy)
+    case = watch_overhead.narrow_mlp(layers)
     return watch_overhead.measure(case, rounds, steps, warmup=3, amp=True)  # type: ignore[no-any-return]
 
 

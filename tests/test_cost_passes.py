@@ -20,10 +20,10 @@ FP16 = torch.float16
 
 class Counted(nn.Linear):
     """A Linear(64 -> 4) with weight 1/64 that counts its forwards (its gradients outweigh its activations, so a
-    survey keeps its graph for the probes)."""
+    survey keeps its graph for the probes); ``Counted(20)``: 20 outputs."""
 
-    def __init__(self) -> None:
-        super().__init__(64, 4, bias=False)
+    def __init__(self, outputs: int = 4) -> None:
+        super().__init__(64, outputs, bias=False)
         with torch.no_grad():
             self.weight.fill_(1 / 64)
         self.forwards = 0

@@ -50,3 +50,14 @@ class InternalError(AmpDoctorError):
 
 class OutOfMemory(AmpDoctorError):
     """The first pass (one instrumented AMP step) ran out of memory: nothing could be diagnosed."""
+
+
+def raised_from(exc: BaseException, kind: type[BaseException]) -> bool:
+    """``exc`` is a ``kind``, or was raised from one (its ``__cause__`` / ``__context__`` chain holds one): a pass
+    that wraps what the model's code raised keeps the original in that chain."""
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -11,7 +11,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from ..errors import OutOfMemory
+from ..errors import OutOfMemory, raised_from
 from ..records import PassRecord, PassTrace
 from .dtypes import dtype_name
 from .hidden import targets_of
@@ -75,7 +75,7 @@ class Session:
                 with self._forward_only(spec):
                     trace, source = run_pass(spec, at_scale, options, self.guard, share=self.share, keep=keep)
             except Exception as exc:
-                if not _raised_from(exc, NeededSaved):
+                if not raised_from(exc, NeededSaved):
                     raise
                 trace, source = run_pass(spec, at_scale, options, self.guard, share=self.share, keep=keep)
         except Exception as exc:
@@ -157,15 +157,6 @@ class NeededSaved(RuntimeError):
 
 def _never_unpacked(packed: object) -> torch.Tensor:
     raise NeededSaved("the model's forward ran a backward of its own in a pass that kept no tensors for one")
-
-
-def _raised_from(exc: BaseException, kind: type[BaseException]) -> bool:
-    seen: Optional[BaseException] = exc
-    while seen is not None:
-        if isinstance(seen, kind):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _out_of_memory(reason: str) -> OutOfMemory:

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from types import TracebackType
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..capture.cleanup import cleaned, on_cleanup, uninterrupted
 from ..capture.dtypes import LOW_DTYPES, model_device_type, upcast
 from ..capture.model import find_module, unwrap_model
+from .patching import ForwardPatch
 
 
-class Fp32Fallback:
+class Fp32Fallback(ForwardPatch):
     """Runs the named modules with autocast disabled and their low-precision floating inputs cast to float32.
 
     Parameters stored in a low precision (``model.half()``, ``torch_dtype=float16``) are cast too, at run time and
@@ -28,53 +27,19 @@ class Fp32Fallback:
     """
 
     def __init__(self, model: nn.Module, modules: Iterable[str]) -> None:
+        super().__init__()
         root, _ = unwrap_model(model)
         names = [modules] if isinstance(modules, str) else list(modules)
-        targets = [(name, find_module(root, name)) for name in names]
-        self._saved: list[tuple[nn.Module, bool, Any]] = []
         self.modules = names
-        self._apply([module for _, module in targets])
+        self._patch([(name, find_module(root, name)) for name in names])
 
-    @uninterrupted
-    def _apply(self, targets: list[nn.Module]) -> None:
-        """Patch every target at once (a Ctrl-C waits), owned by a diagnosis's cleanup owner from the start."""
-        self._undo: Optional[Callable[[], None]] = on_cleanup(self.remove)
-        for module in targets:
-            if any(module is m for m, _, _ in self._saved):
-                continue
-            had_own = "forward" in module.__dict__
-            self._saved.append((module, had_own, module.__dict__.get("forward")))
-            module.forward = self._wrap(module, module.forward)  # type: ignore[method-assign]
-
-    @staticmethod
-    def _wrap(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, key: Any, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         def fp32_forward(*args: Any, **kwargs: Any) -> Any:
             with torch.autocast(model_device_type(module, (args, kwargs)), enabled=False), _fp32_params(module):
                 return forward(*tree_map(upcast, args), **tree_map(upcast, kwargs))
 
         fp32_forward.__wrapped__ = forward  # type: ignore[attr-defined]
         return fp32_forward
-
-    @uninterrupted
-    def remove(self) -> None:
-        """Idempotent; runs to its end even when Ctrl-C arrives meanwhile."""
-        for module, had_own, original in reversed(self._saved):
-            if had_own:
-                module.forward = original  # type: ignore[method-assign]
-            else:
-                module.__dict__.pop("forward", None)
-        self._saved.clear()
-        if self._undo is not None:
-            cleaned(self._undo)
-            self._undo = None
-
-    def __enter__(self) -> Fp32Fallback:
-        return self
-
-    def __exit__(
-        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
-    ) -> None:
-        self.remove()
 
 
 @contextlib.contextmanager

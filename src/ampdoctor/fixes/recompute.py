@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from types import TracebackType
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..capture.cleanup import cleaned, on_cleanup, uninterrupted
 from ..capture.model import find_module, unwrap_model
 from ..capture.state import RngState
 from ..capture.walk import iter_tensors
+from ..errors import raised_from
+from .patching import ForwardPatch
 
 # Autocast flags a call runs under, re-set for its re-run (CPU and CUDA: the emulated CUDA policy sets both).
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -40,12 +40,7 @@ class RecomputeMismatch(RuntimeError):
 
 def recompute_mismatch(exc: BaseException) -> bool:
     """``exc`` is, or was raised from, a :class:`RecomputeMismatch` (a re-run pass wraps what the backward raised)."""
-    seen: Optional[BaseException] = exc
-    while seen is not None:
-        if isinstance(seen, RecomputeMismatch):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return raised_from(exc, RecomputeMismatch)
 
 
 def hooks_allowed() -> bool:
@@ -118,7 +113,7 @@ class _Call:
         self.made = dict(enumerate(made))
 
 
-class Recomputed:
+class Recomputed(ForwardPatch):
     """For the block: every call of the named modules (the outermost of them; a named module inside another is
     recomputed with it) keeps no tensor for the backward; the backward re-runs the call when it needs them.
 
@@ -131,23 +126,13 @@ class Recomputed:
         root, _ = unwrap_model(model)
         names = [modules] if isinstance(modules, str) else list(modules)
         outer = [n for n in names if not any(o != n and (o == "" or n.startswith(o + ".")) for o in names)]
+        super().__init__()
         self._replay = replay
-        self._saved: list[tuple[nn.Module, bool, Any]] = []
         self.calls = 0  # calls run with their saved tensors dropped
         self.reruns = 0  # re-runs the backward asked for
-        self._apply([(name, find_module(root, name)) for name in dict.fromkeys(outer)])
+        self._patch([(name, find_module(root, name)) for name in dict.fromkeys(outer)])
 
-    @uninterrupted
-    def _apply(self, targets: list[tuple[str, nn.Module]]) -> None:
-        self._undo: Optional[Callable[[], None]] = on_cleanup(self.remove)
-        for name, module in targets:
-            if any(module is m for m, _, _ in self._saved):
-                continue
-            had_own = "forward" in module.__dict__
-            self._saved.append((module, had_own, module.__dict__.get("forward")))
-            module.forward = self._wrap(name, module.forward)  # type: ignore[method-assign]
-
-    def _wrap(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, name: Any, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         def recomputed_forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled() or not hooks_allowed():
                 return forward(*args, **kwargs)  # nothing saved, or saved-tensor hooks refused here: as it is
@@ -176,28 +161,6 @@ class Recomputed:
 
         recomputed_forward.__wrapped__ = forward  # type: ignore[attr-defined]
         return recomputed_forward
-
-    @uninterrupted
-    def remove(self) -> None:
-        """Idempotent; runs to its end even when Ctrl-C arrives meanwhile."""
-        for module, had_own, original in reversed(self._saved):
-            if had_own:
-                module.forward = original  # type: ignore[method-assign]
-            else:
-                module.__dict__.pop("forward", None)
-        self._saved.clear()
-        if self._undo is not None:
-            cleaned(self._undo)
-            self._undo = None
-
-    def __enter__(self) -> Recomputed:
-        return self
-
-    def __exit__(
-        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
-    ) -> None:
-        self.remove()
-
 
 def _unused(index: int) -> torch.Tensor:  # a re-run's own graph is never run backward
     raise RecomputeMismatch("a re-run's own graph was run backward")
