@@ -194,6 +194,9 @@ def test_zoom_sees_the_allocation_and_ignores_its_bytes() -> None:
             zoom.finish(out)
         assert_at(zoom.finding, "aten::baddbmm", "out = torch.baddbmm(cast, q, q.transpose(-1, -2), beta=0")
         assert zoom.finding is not None and zoom.finding.discarded == ()
+        # Its per-storage flags (a bool per byte of the fresh allocation) are spent once the op is named: the rest
+        # of the pass runs without them.
+        assert zoom._flow.cells == {}
 
 
 # -- discarded non-finite values are notes, never the op ---------------------------------------------------
@@ -479,3 +482,12 @@ def test_t5_position_bucket_log_is_a_note_when_zooming_over_the_whole_model() ->
     assert all(d.location is not None and "torch.log(relative_position.float() / max_exact)" in d.location.code
                for d in op.discarded)
     assert zoom.error is None
+
+
+def test_a_zoom_left_without_finish_names_from_what_outlives_the_call_and_drops_its_flags() -> None:
+    zoom = OpZoom("m", 0)
+    x = torch.full((4,), 300.0, dtype=torch.float16)
+    with zoom:
+        out = x * x  # 90,000: inf in float16
+    assert_at(zoom.finding, "aten::mul.Tensor", "out = x * x")
+    assert zoom._flow.cells == {} and out.isinf().all()

@@ -193,6 +193,8 @@ class _Zoom(TorchDispatchMode):
             self._name(first, union)
         except Exception as exc:
             self.error = self.error or f"the call's output: {type(exc).__name__}: {exc}"
+        finally:
+            self._flow.cells.clear()  # the per-element flags are spent: not held while the rest of the pass runs
 
     @uninterrupted
     def __enter__(self) -> _Zoom:
@@ -221,6 +223,8 @@ class _Zoom(TorchDispatchMode):
             self._name(reached, reached)
         except Exception as exc:
             self.error = self.error or f"the call's output: {type(exc).__name__}: {exc}"
+        finally:
+            self._flow.cells.clear()
 
     def _name(self, reaching: frozenset[int], reached: frozenset[int]) -> None:
         """The first candidate in ``reaching`` is the op; those in none of ``reached`` were discarded."""
