@@ -193,8 +193,6 @@ class _Step:
         if self.hidden is not None:
             self.recorder.paused = self.hidden.paused
         self.back_zoom = BackwardZoom() if options.backward_zoom else None
-        # Room on the stack for the hooks' frames: the model's depth walked once for the forward and every backward.
-        self.room = RecursionRoom(spec.root)
         self.contexts = contextlib.ExitStack()  # installed for the whole pass (closed by close())
         self.region = contextlib.ExitStack()  # the forward's autocast and copy-on-write region
         self._undo: Optional[Callable[[], None]] = None
@@ -295,7 +293,7 @@ class _Step:
         """The forward and loss's autocast region and the copy-on-write of parameters (left after the loss)."""
         # Hooks cost torch one frame per nesting level: room for them, so a model that runs plain runs here
         # (held while the model's code runs, not while a kept graph waits for its next backward).
-        self.region.enter_context(self.room)
+        self.region.enter_context(RecursionRoom(self.spec.root))
         self.region.enter_context(_autocast(self.spec, self.autocast))
         if self.guard is not None:
             self.region.enter_context(self.guard.guard_writes())
@@ -322,7 +320,7 @@ class _Step:
             recorder.in_backward = True
             try:
                 zoom = self.back_zoom if self.back_zoom is not None else contextlib.nullcontext()
-                with self.room, zoom:  # checkpointed regions re-run their forward in here
+                with RecursionRoom(spec.root), zoom:  # checkpointed regions re-run their forward in here
                     if recorder.ran_without_grad:
                         # A reentrant checkpoint runs its region's backward with .backward() inside, which
                         # refuses autograd.grad: take the gradients with .backward() on set-aside .grads.
