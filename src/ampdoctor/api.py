@@ -49,6 +49,7 @@ from .fixes.overflows import sentinel_ops
 from .fixes.recommend import recommend
 from .fixes.steps import parameter_bytes, train_steps, with_steps
 from .fixes.verify import VerifyContext, remedy_for, verify_recommendations
+from .numbers import fmt_scale
 from .records import BATCH, LOSS, ModuleInfo, PassTrace, Recommendation, RunInfo
 from .report import Report
 from .thresholds import MARGIN_BITS, UNDERFLOW_VERDICT_SHARE
@@ -408,14 +409,14 @@ def _cost_notes(
     if skipped:
         notes.append(
             f"{len(skipped)} optional pass(es) skipped to stay within the memory limit: "
-            + "; ".join(f"{p.purpose} at scale {p.scale:g} ({p.reason})" for p in skipped[:3])
+            + "; ".join(f"{p.purpose} at scale {fmt_scale(p.scale)} ({p.reason})" for p in skipped[:3])
         )
     low = dtype_name(session.spec.dtype)
     if survey.backward_ran and not fp32_reference and (survey.gradients_finite() or scale_finding is not None):
         dropped = any(p.purpose == "underflow reference" and p.status != "ran" for p in session.log)
         what = (
-            f"the used scale {survey.scale:g} is already the largest finite one, so no larger {low} scale could "
-            "count gradient values lost to underflow there"
+            f"the used scale {fmt_scale(survey.scale)} is already the largest finite one, so no larger {low} scale "
+            "could count gradient values lost to underflow there"
             if underflow is None and scale_finding is None and not dropped
             else f"gradient values lost to underflow are counted against the backward at the largest finite {low} "
             "scale"

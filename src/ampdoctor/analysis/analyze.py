@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from ..autocast_ops import cpu_policy_finding_note
+from ..numbers import fmt_scale
 from ..records import (
     Comparison,
     FormatLimits,
@@ -50,7 +51,7 @@ def analyze(
             verdict = "scale_overflow"
             if not scale.harmless:
                 warnings.append(
-                    f"gradients are finite only at scale <= {scale.largest_finite_scale:g}, where "
+                    f"gradients are finite only at scale <= {fmt_scale(scale.largest_finite_scale)}, where "
                     + (
                         f"{scale.lost_share_at_largest:.1%} of gradient values underflow to zero"
                         if scale.lost_share_at_largest is not None
@@ -78,7 +79,7 @@ def analyze(
     elif window is not None and not window.contains_current:
         warnings.append(
             f"the loss scale {window.current:g} is outside the useful window "
-            f"[{window.min_useful:g}, {window.max_safe:g}]"
+            f"[{fmt_scale(window.min_useful)}, {fmt_scale(window.max_safe)}]"
         )
     if near:
         warnings.append(f"{len(near)} tensor(s) within {HEADROOM_WARN_BITS:g} bit of the {limits.dtype} max")

@@ -22,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..numbers import fmt_scale
 from ..records import FormatLimits, FrozenMap, ModuleInfo, PassTrace
 from ..thresholds import GRADIENT_KEY, HIST_LOW, SCALE_WINDOW_LOSS_SHARE
 from .findings import ScaleFinding, ScaleProbe, ScaleWindow, UnderflowFinding, WindowProbe
@@ -176,7 +177,7 @@ def find_top(
 
 
 def _reference_name(runner: Runner, top: Optional[int]) -> str:
-    same = f"backward at scale {2.0**top:g}, the largest finite" if top is not None else ""
+    same = f"backward at scale {fmt_scale(2.0**top)}, the largest finite" if top is not None else ""
     if runner.fp32() is not None:
         return f"a {FP32_REFERENCE} and the {same}" if same else FP32_REFERENCE
     return same

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from ..numbers import fmt_scale
 from ..records import FormatLimits, FrozenMap, ModuleInfo, OpOverflow, PassTrace
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 from .findings import ScaleWindow, WindowProbe
@@ -64,12 +65,13 @@ class SurveyEvidence:
     def note(self, low: str) -> str:
         bound = self.low_zeros / (self.nonzero + self.low_zeros) if self.nonzero + self.low_zeros else 0.0
         return (
-            f"underflow reference not run (underflow_reference=\"auto\"): at scale {self.scale:g} the parameter "
-            f"gradients computed in {low} hold {self.low_zeros:,} zero value(s) of {self.low_values:,} (at most "
-            f"{bound:.3%} of the {self.nonzero:,} nonzero values could be lost there), and the binade histograms put "
-            f"{self.band_share:.3%} of the parameter-gradient values and {self.gradient_band_share:.3%} of the "
-            f"{low} gradients' values within {self.margin_bits} binades above {low}'s flush threshold, so a larger "
-            f"scale (up to {self.top:g}, the largest finite predicted) could recover almost nothing; "
+            f"underflow reference not run (underflow_reference=\"auto\"): at scale {fmt_scale(self.scale)} the "
+            f"parameter gradients computed in {low} hold {self.low_zeros:,} zero value(s) of {self.low_values:,} "
+            f"(at most {bound:.3%} of the {self.nonzero:,} nonzero values could be lost there), and the binade "
+            f"histograms put {self.band_share:.3%} of the parameter-gradient values and "
+            f"{self.gradient_band_share:.3%} of the {low} gradients' values within {self.margin_bits} binades above "
+            f"{low}'s flush threshold, so a larger scale (up to {fmt_scale(self.top)}, the largest finite predicted) "
+            "could recover almost nothing; "
             "underflow_reference=\"always\" runs it (one more backward)"
         )
 
@@ -140,7 +142,7 @@ def predicted_window(
         probes=(WindowProbe(2.0 ** (t + 1), False, None),),  # by arithmetic on the recorded maximum
         module_min_useful=FrozenMap(per_module),
         reference=(
-            f"predicted from the survey at scale {survey.scale:g}, not re-run: the top by exact power-of-two "
+            f"predicted from the survey at scale {fmt_scale(survey.scale)}, not re-run: the top by exact power-of-two "
             f"arithmetic on its largest {limits.dtype} gradient, the bottom from its binade histograms (scale 1 "
             f"predicted to lose under {SKIP_SHARE:.1%}); scale_window=True confirms both ends by re-runs"
         ),

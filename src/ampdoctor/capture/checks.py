@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..errors import InvalidInput
+from ..numbers import fmt_scale
 from ..records import PassTrace
 from ..thresholds import DEFAULT_FP16_SCALE
 from .walk import iter_tensors
@@ -106,7 +107,8 @@ def resolve_scale(scaler: Any, scale: Optional[float], dtype: torch.dtype) -> tu
                     "your GradScaler is for CUDA and disabled itself on this machine (no CUDA device), and "
                     "torch.cuda.amp.autocast / autocast('cuda') are off here too: your own loop runs in float32 "
                     "without loss scaling on this machine. This report shows what float16 autocast does, at "
-                    f"GradScaler's default scale {DEFAULT_FP16_SCALE:g}, as a scaler on a CUDA machine would start"
+                    f"GradScaler's default scale {fmt_scale(DEFAULT_FP16_SCALE)}, as a scaler on a CUDA machine would "
+                    "start"
                 )
                 if dtype == torch.float16:
                     return DEFAULT_FP16_SCALE, "GradScaler default (the given scaler is disabled here)", environment

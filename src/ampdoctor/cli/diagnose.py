@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import InvalidInput, ModelRaised
+from ..numbers import fmt_scale
 from .batch import describe, load_batch, select_inputs, to_device
 from .common import (
     FORMATS,
@@ -164,9 +165,13 @@ def _checkpoint_scale(
         return None, "", []
     where = scaler_path or "<root>"
     if args.dtype != "float16":
-        return None, "", [f"the checkpoint's GradScaler scale ({scaler_scale:g}) was ignored: bfloat16 runs unscaled"]
+        ignored = f"the checkpoint's GradScaler scale ({fmt_scale(scaler_scale)}) was ignored: bfloat16 runs unscaled"
+        return None, "", [ignored]
     if not (math.isfinite(scaler_scale) and scaler_scale > 0):
-        note = f"the checkpoint's GradScaler scale is {scaler_scale:g} (collapsed): diagnosed at the default scale"
+        note = (
+            f"the checkpoint's GradScaler scale is {fmt_scale(scaler_scale)} (collapsed): diagnosed at the default "
+            "scale"
+        )
         return None, "", [note]
     return scaler_scale, f"the checkpoint's GradScaler state ({where})", []
 

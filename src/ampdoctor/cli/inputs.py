@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import InvalidInput, ModelRaised
+from ..numbers import fmt_scale
 from ..training.bundle_format import BUNDLE_FORMAT
 from .batch import Selection, check_batch_argument, parse_selection
 from .common import user_code
@@ -97,7 +98,7 @@ def check_arguments(args: argparse.Namespace) -> DiagnoseInputs:
         split_spec(args.loss, "--loss")
     kwargs = parse_kwargs(args.model_kwargs)
     if args.scale is not None and not (math.isfinite(args.scale) and args.scale > 0):
-        raise InvalidInput(f"--scale must be a positive number, got {args.scale:g}")
+        raise InvalidInput(f"--scale must be a positive number, got {fmt_scale(args.scale)}")
     if args.batch:
         check_batch_argument(args.batch)
     selection = parse_selection(args.model_inputs) if args.model_inputs else None

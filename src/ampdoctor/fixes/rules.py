@@ -17,6 +17,7 @@ from typing import Literal, Optional
 
 from ..analysis import NearLimit, Origin
 from ..analysis.scale import margin_scale
+from ..numbers import fmt_scale
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
 from ..thresholds import UNDERFLOW_VERDICT_SHARE
 from . import rules_rewrites as rw
@@ -226,10 +227,10 @@ def _safe_scale(ctx: Context) -> Recommendation:
         action="loss_scale",
         modules=(),
         title=(
-            f"gradients overflow at scale {scale.used_scale:g} but are finite at {safe:g}: "
+            f"gradients overflow at scale {fmt_scale(scale.used_scale)} but are finite at {fmt_scale(safe)}: "
             + ("GradScaler's skip-and-back-off handles this; optionally start lower"
                if scale.harmless else "GradScaler would have to back off to a scale that loses gradients")
-            + (f" (start at {start:g}, {ctx.margin_bits:g} bit(s) below it)" if start < safe else "")
+            + (f" (start at {fmt_scale(start)}, {ctx.margin_bits:g} bit(s) below it)" if start < safe else "")
         ),
         snippet=f"scaler = torch.amp.GradScaler({ctx.run.device_type!r}, init_scale={scale_literal(start)})",
     )
@@ -278,7 +279,7 @@ def _raise_scale(ctx: Context) -> Recommendation:
     return Recommendation(
         action="loss_scale",
         modules=tuple(s.module for s in under.spots[:5]),
-        title=f"{under.share:.1%} of gradient values underflow to zero at scale {run.scale:g}: "
+        title=f"{under.share:.1%} of gradient values underflow to zero at scale {fmt_scale(run.scale)}: "
         f"raise the loss scale ({under.reference})",
         snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, init_scale={scale_literal(bigger)})",
     )
@@ -301,8 +302,8 @@ def _into_window(ctx: Context) -> Recommendation:
     return Recommendation(
         action="loss_scale",
         modules=(),
-        title=f"the loss scale {run.scale:g} is outside the measured window "
-        f"[{window.min_useful:g}, {window.max_safe:g}]",
+        title=f"the loss scale {fmt_scale(run.scale)} is outside the measured window "
+        f"[{fmt_scale(window.min_useful)}, {fmt_scale(window.max_safe)}]",
         snippet=f"scaler = torch.amp.GradScaler({run.device_type!r}, "
         f"init_scale={scale_literal(margin_scale(window.max_safe, ctx.margin_bits))})",
     )

@@ -12,6 +12,7 @@ from typing import Optional
 from ..analysis import Findings
 from ..analysis.scale import gradient_headroom, margin_scale
 from ..analysis.underflow import lost_gradients
+from ..numbers import fmt_scale
 from ..records import FormatLimits, ModuleInfo, OpOverflow, PassTrace, Recommendation
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 
@@ -49,10 +50,10 @@ def _lost_share(
         top_probe = next((p for p in window.probes if p.scale == top), None)
         base = top_probe.lost_share if top_probe is not None else None
     if at.scale == top:
-        return base, f"the backward at scale {top:g}"
+        return base, f"the backward at scale {fmt_scale(top)}"
     beyond = lost_gradients(at, [run(top)], modules, "")
     extra = beyond.share if beyond is not None else 0.0
-    return (base or 0.0) + extra, f"the backward at scale {top:g}" + (" and its own reference" if base else "")
+    return (base or 0.0) + extra, f"the backward at scale {fmt_scale(top)}" + (" and its own reference" if base else "")
 
 
 def verify_loss_scale(
@@ -72,7 +73,7 @@ def verify_loss_scale(
         return rec
     at = run(scale)
     ok = at.healthy()
-    evidence = f"re-ran the step at scale {scale:g}: " + ("finite" if ok else "still non-finite")
+    evidence = f"re-ran the step at scale {fmt_scale(scale)}: " + ("finite" if ok else "still non-finite")
     if not ok:
         return dataclasses.replace(rec, verified=False, evidence=evidence)
     share, against = _lost_share(run, findings, at, modules)

@@ -12,6 +12,7 @@ from torch import nn
 from ..analysis import Findings, Origin, backward_origin, forward_origin
 from ..analysis.margin import PathTensor, path_headroom
 from ..analysis.mechanisms import Instance, Mechanism, mechanism_of
+from ..numbers import fmt_scale
 from ..records import (
     BATCH,
     LOSS,
@@ -162,7 +163,7 @@ def _rerun_once(ctx: VerifyContext, chosen: list[str], check_scale: float, recom
             # Gradients that are finite at scale 1 are a loss-scale overflow, which GradScaler handles.
             at_one = ctx.run(1.0)
             if at_one.healthy():
-                note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
+                note = f"; the backward overflows at scale {fmt_scale(check_scale)} but is finite at 1 (GradScaler)"
                 return at_one, note
     return last, ""
 
@@ -260,7 +261,7 @@ def _finished(ctx: VerifyContext, chosen: list[str], last: PassTrace, check_scal
         if not _within(c.module, chosen) and any(r.stats.dtype == ctx.low_dtype for r in c.outputs)
     )
     evidence = (
-        f"re-ran the step at scale {check_scale:g} with {', '.join(chosen)} in float32: forward"
+        f"re-ran the step at scale {fmt_scale(check_scale)} with {', '.join(chosen)} in float32: forward"
         + (" and backward" if last.backward_ran else "")
         + f" finite; {kept} other call(s) still produced {ctx.low_dtype}{scale_note}"
     )
@@ -442,7 +443,7 @@ def _still_overflowing(trace: PassTrace, at: Optional[Site]) -> list[str]:
 def _scale_text(scale: float) -> str:
     """65536, or 2.0**40 for a large power of two (no six-digit mantissa in any rendering)."""
     literal = scale_literal(scale)
-    return literal if "**" in literal else f"{scale:g}"
+    return literal if "**" in literal else f"{fmt_scale(scale)}"
 
 
 def _needs_fix(findings: Findings) -> bool:

@@ -31,6 +31,7 @@ from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import find_module
 from ..capture.stats import INTERNAL
 from ..capture.zoom import innermost_user_line
+from ..numbers import fmt_scale
 from ..records import BATCH, LOSS, Cost, FormatLimits, PassTrace, Recommendation, SourceLocation
 from .recompute import Recomputed, recompute_mismatch
 from .rules_upcast import FUSED_FUNCTIONS, HIDDEN_RULE, hidden_site, ordinal, same_site, upcast_snippet
@@ -216,7 +217,7 @@ def _attempt_once(ctx: VerifyContext, site: OpSite, chosen: list[str], check_sca
                 at_one = _run(ctx, helper, 1.0)
                 if at_one.healthy():
                     last = at_one
-                    note = f"; the backward overflows at scale {check_scale:g} but is finite at 1 (GradScaler)"
+                    note = f"; the backward overflows at scale {fmt_scale(check_scale)} but is finite at 1 (GradScaler)"
         return last, note, (helper.calls, helper.hits, helper.misses, _misplaced(helper, site)), dict(helper.peaks)
 
 
@@ -311,9 +312,10 @@ def verify_upcast(ctx: VerifyContext, rec: Recommendation, findings: Findings, o
     finite = last.healthy()
     evidence = (
         (f"tried the op in float32 in [{']; then in ['.join(tried)}]; " if len(tried) > 1 else "")
-        + f"re-ran the step at scale {check_scale:g} with {what} of {', '.join(chosen)} in float32: {calls} module "
-        f"call(s), {hits} op(s) upcast; " + ("forward" + (" and backward" if last.backward_ran else "") + " finite"
-                                              if finite else "still non-finite") + note
+        + f"re-ran the step at scale {fmt_scale(check_scale)} with {what} of {', '.join(chosen)} in float32: "
+        f"{calls} module call(s), {hits} op(s) upcast; "
+        + ("forward" + (" and backward" if last.backward_ran else "") + " finite" if finite else "still non-finite")
+        + note
     )
     exact = hits == calls and not misses and not misplaced
     if misses:

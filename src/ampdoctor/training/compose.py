@@ -18,6 +18,7 @@ from .._version import __version__
 from ..analysis import Findings, NearLimit, headroom_bits
 from ..capture.dtypes import dtype_name
 from ..capture.stats import format_limits
+from ..numbers import fmt_scale
 from ..records import ModuleInfo, PassTrace, RunInfo, StepRecord, Verdict
 from ..report import Report
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
@@ -228,14 +229,15 @@ def _summary(own: RankPayload, steps: list[StepRecord], runs: list[Run]) -> list
     if own_steps:
         first, last = own_steps[0], own_steps[-1]
         lines.append(
-            f"loss scale: {first.scale:g} at step {first.step} -> {last.new_scale or last.scale:g} after step "
-            f"{last.step} (lowest used {min(s.scale for s in own_steps):g})"
+            f"loss scale: {fmt_scale(first.scale)} at step {first.step} -> "
+            f"{fmt_scale(last.new_scale or last.scale)} after step {last.step} "
+            f"(lowest used {fmt_scale(min(s.scale for s in own_steps))})"
         )
     for r in [r for r in merged if r.status == PERSISTENT][:RUNS_NAMED]:
         lines.append(f"persistent failure from step {r.persistent_step}: {r.reason}")
     for r in [r for r in merged if r.status == HARMLESS][:RUNS_NAMED]:
         lines.append(
-            f"harmless run of skipped steps: steps {r.start}-{r.end}, good again at scale {r.harmless_scale:g}"
+            f"harmless run of skipped steps: steps {r.start}-{r.end}, good again at scale {fmt_scale(r.harmless_scale)}"
         )
     return lines
 

@@ -15,6 +15,7 @@ from ..capture.dtypes import low_dtype
 from ..capture.model import unwrap_model
 from ..capture.state import RngState
 from ..errors import AmpDoctorError
+from ..numbers import fmt_scale
 from ..records import StepRecord
 from ..report import Report
 from ..serial import from_plain
@@ -95,7 +96,7 @@ def _replay(
     records = json.loads(data.get("records") or "{}")
     steps = [from_plain(StepRecord, s) for s in records.get("steps", [])]
     where = f"step {data.get('step')}" + (f", rank {data.get('rank')}" if int(data.get("world_size", 1)) > 1 else "")
-    notes.insert(0, f"replayed failure bundle {os.fspath(path)} ({where}, scale {scale:g})")
+    notes.insert(0, f"replayed failure bundle {os.fspath(path)} ({where}, scale {fmt_scale(scale)})")
     if data.get("inputs_changed"):
         notes.append("the inputs were modified in place after the failing forward; the bundle holds their later values")
     if loss_fn is None and not backward:
@@ -120,4 +121,4 @@ def _scale_source(data: dict[str, Any], scale: float) -> str:
     if not data.get("scale"):
         return "none in the bundle: 1"
     source = "the failing step's GradScaler scale, from the bundle"
-    return source + (f", raised to {MIN_REPLAY_SCALE:g}" if scale < MIN_REPLAY_SCALE else "")
+    return source + (f", raised to {fmt_scale(MIN_REPLAY_SCALE)}" if scale < MIN_REPLAY_SCALE else "")

@@ -28,6 +28,7 @@ from ..capture.state import RngState
 from ..capture.stats import tensor_stats
 from ..capture.walk import iter_tensors
 from ..errors import AmpDoctorError, ModelRaised
+from ..numbers import fmt_scale
 from ..records import LOSS, StepRecord
 from ..report import Report
 from .readback import MicroBatch, weight_versions
@@ -342,8 +343,9 @@ def loss_gradient_origin(
         else "pass loss_fn= to watch to replay the loss itself"
     )
     note = (
-        f"the gradient of the loss reaching the model's output ({path}) was already non-finite at scale {scale:g}: "
-        f"it overflowed before any layer ran backward; the capture replayed the forward only ({how})"
+        f"the gradient of the loss reaching the model's output ({path}) was already non-finite at scale "
+        f"{fmt_scale(scale)}: it overflowed before any layer ran backward; the capture replayed the forward only "
+        f"({how})"
     )
     return add_notes(dataclasses.replace(report, findings=findings), [note])
 

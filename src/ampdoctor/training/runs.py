@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ..analysis import Divergence, ScaleFinding, ScaleProbe
+from ..numbers import fmt_scale
 from ..records import RunStatus, StepRecord
 from .divergence import (
     GROWTH_WINDOW_STEPS,
@@ -93,7 +94,7 @@ def persistent_reason(step: StepRecord) -> str:
     if not step.forward_finite:
         return "the forward was non-finite (loss or model output)"
     if step.skipped and step.new_scale is not None and step.new_scale < 1:
-        return f"the scale fell below 1 ({step.new_scale:g}): gradients are non-finite even unscaled"
+        return f"the scale fell below 1 ({fmt_scale(step.new_scale)}): gradients are non-finite even unscaled"
     return ""
 
 
