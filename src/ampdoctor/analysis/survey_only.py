@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -76,12 +76,21 @@ class SurveyEvidence:
         )
 
 
-def underflow_evidence(
+@dataclass(frozen=True)
+class _Basis:
+    """What both answers start from, worked out once per survey: the used exponent ``u``, the predicted top
+    ``t``, parameter owners and the loss prediction from the survey's histograms."""
+
+    u: int
+    t: int
+    owners: Mapping[str, str]
+    prediction: LossPrediction
+
+
+def _basis(
     survey: PassTrace, histograms: Histograms, modules: Sequence[ModuleInfo], limits: FormatLimits
-) -> Optional[SurveyEvidence]:
-    """The evidence that a reference backward at a larger scale would find (almost) nothing lost at the survey's
-    scale, or None when the survey does not show it (then the reference runs). Needs a healthy survey at a
-    power-of-two scale with the histograms of its gradients."""
+) -> Optional[_Basis]:
+    """None unless the survey is healthy at a power-of-two scale, with histograms and a top within the window."""
     u = exponent_of(survey.scale)
     if u is None or not histograms or not survey.backward_ran or not survey.healthy():
         return None
@@ -89,6 +98,15 @@ def underflow_evidence(
     if t < u or t >= MAX_WINDOW_EXPONENT:
         return None
     owners = param_owners(modules)
+    return _Basis(u, t, owners, LossPrediction(histograms, u, _flush_exponent(limits), owners))
+
+
+def underflow_evidence(
+    survey: PassTrace, basis: _Basis, modules: Sequence[ModuleInfo], limits: FormatLimits
+) -> Optional[SurveyEvidence]:
+    """The evidence that a reference backward at a larger scale would find (almost) nothing lost at the survey's
+    scale, or None when the survey does not show it (then the reference runs)."""
+    u, t, owners, prediction = basis.u, basis.t, basis.owners, basis.prediction
     low = low_precision_modules(survey, limits)
     nonzero = low_zeros = low_values = 0
     for name, stats in survey.param_grads().items():
@@ -101,7 +119,6 @@ def underflow_evidence(
     if nonzero == 0 or low_zeros > SKIP_SHARE * nonzero:
         return None
     margin = max(t - u, SKIP_MARGIN_BITS)
-    prediction = LossPrediction(histograms, u, _flush_exponent(limits), owners)
     band = prediction.lost(u - margin) / nonzero
     gradient_band = prediction.gradient_share(u - margin)
     if band >= SKIP_SHARE or gradient_band >= SKIP_SHARE:
@@ -110,7 +127,7 @@ def underflow_evidence(
 
 
 def predicted_window(
-    survey: PassTrace, histograms: Histograms, modules: Sequence[ModuleInfo], limits: FormatLimits
+    survey: PassTrace, basis: _Basis, modules: Sequence[ModuleInfo], limits: FormatLimits
 ) -> Optional[ScaleWindow]:
     """The loss-scale window from the survey alone, or None when it does not settle it (then it is measured).
 
@@ -118,14 +135,9 @@ def predicted_window(
     one overflows is exact; that this one holds assumes no unrecorded intermediate overflows first). Bottom: scale
     1, only when the histograms predict it loses under ``CONFIDENT`` of the window's 1 % and the low-precision
     gradients together under ``CONFIDENT_GRADIENTS`` of theirs (the rule the measured window uses too)."""
-    u = exponent_of(survey.scale)
-    if u is None or u < 0 or not histograms or not survey.backward_ran or not survey.healthy():
+    t, owners, prediction = basis.t, basis.owners, basis.prediction
+    if basis.u < 0:
         return None
-    t = predicted_top(survey, limits, modules)
-    if t < u or t >= MAX_WINDOW_EXPONENT:
-        return None
-    owners = param_owners(modules)
-    prediction = LossPrediction(histograms, u, _flush_exponent(limits), owners)
     by_module: dict[str, int] = defaultdict(int)
     for name, stats in survey.param_grads().items():
         by_module[owners.get(name, name)] += stats.nonzero_count or 0
@@ -164,20 +176,23 @@ def settle_from_survey(
     it). ``policy``: ``diagnose``'s ``underflow_reference``; ``window_wanted``: its ``scale_window`` (False when the
     window is deferred)."""
 
-    def predict() -> Optional[ScaleWindow]:
-        return predicted_window(survey, histograms, modules, limits) if window_wanted == "auto" else None
+    def predict(basis: Optional[_Basis]) -> Optional[ScaleWindow]:
+        if window_wanted != "auto" or basis is None:
+            return None
+        return predicted_window(survey, basis, modules, limits)
 
     if policy == "never":
-        return predict(), (
+        return predict(_basis(survey, histograms, modules, limits)), (
             'underflow reference not run (underflow_reference="never"): gradient values lost to underflow at the '
             "used scale are not counted"
         )
     if policy == "always" or fp32_reference or window_wanted is True:
         return None, ""  # a measured window's first re-run is the reference's backward anyway
-    evidence = underflow_evidence(survey, histograms, modules, limits)
+    basis = _basis(survey, histograms, modules, limits)  # once, for both answers
+    evidence = underflow_evidence(survey, basis, modules, limits) if basis is not None else None
     if evidence is None:
         return None, ""
-    window = predict()
+    window = predict(basis)
     if window is None and window_wanted:
         return None, ""  # the measured window's first re-run is the reference's backward: it costs nothing more
     return window, evidence.note(limits.dtype)
