@@ -42,6 +42,28 @@ def test_detailed_statistics_in_chunks_equal_one_piece(
     assert tensor_stats(t, torch.float16) == whole
 
 
+@pytest.mark.parametrize("numel", [3000, 1 << 16, 1 << 20, (1 << 22) + 5, 1 << 25])
+def test_detailed_pieces_are_small_for_small_tensors_and_few_for_large_ones(
+    numel: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each piece's scratch (about 13 bytes an element) stays under 0.25 MiB or near a tenth of the tensor's own
+    float16 bytes, and a tensor up to 16M elements takes at most 64 pieces (the Python loop stays short)."""
+    seen: list[int] = []
+    real = StatsCollector._detail_chunk
+
+    def spy(self: StatsCollector, c: torch.Tensor) -> object:
+        seen.append(c.numel())
+        return real(self, c)
+
+    monkeypatch.setattr(StatsCollector, "_detail_chunk", spy)
+    t = torch.zeros(numel, dtype=torch.float16)
+    t[-1] = 70000.0  # in the last piece: still counted
+    stats = tensor_stats(t, torch.float16)
+    assert stats.posinf_count == 1 and sum(seen) == numel
+    assert all(13 * n <= max(2**18, numel * 2 // 9) for n in seen)
+    assert len(seen) <= max(64, -(-numel // stats_module.CHUNK_MAX))
+
+
 def _numpy_binades(t: torch.Tensor) -> list[float]:
     """The histogram layout of ``add_histogram``, by numpy: nonzero finite |x| by binade, ends folded."""
     a = np.abs(t.double().numpy().reshape(-1))

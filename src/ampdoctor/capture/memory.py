@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from ..records import PassTrace
-from .stats import CHUNK
+from .stats import chunk_size
 
 _BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
 _OOM_TEXT = ("out of memory", "can't allocate memory", "not enough memory", "failed to allocate")
@@ -101,7 +101,8 @@ def pass_estimate(survey: PassTrace, kind: str) -> int:
     in_flight = 2 * sum(largest)
     if kind == "backward":
         return in_flight
-    scratch = 16 * CHUNK if kind == "detailed" else 0
+    largest_numel = max((r.stats.numel for call in survey.calls for r in (*call.inputs, *call.outputs)), default=0)
+    scratch = 16 * chunk_size(largest_numel) if kind == "detailed" else 0
     return sum(sizes.values()) + in_flight + scratch
 
 

@@ -5,7 +5,7 @@ them to the host in a single transfer per device, so a pass costs one host synch
 tensor or per statistic. No reference to a measured tensor is kept.
 
 Cost: the survey level is one ``aminmax`` and one ``count_nonzero`` per tensor (no temporaries). The detailed
-level reads a tensor in chunks of :data:`CHUNK` elements, so its temporaries stay small however large the tensor
+level reads a tensor in chunks (:func:`chunk_size`), so its temporaries stay small however large the tensor
 (a 175 MiB embedding weight costs a few MiB of scratch, not five full-size copies).
 """
 
@@ -38,8 +38,12 @@ DETAIL_FIELDS = SURVEY_FIELDS + (
     "cast_overflow_count",
     "cast_flush_count",
 )
-# Detailed statistics are reduced over chunks of this many elements (scratch memory per chunk: a few bytes each).
-CHUNK = 1 << 16
+# Detailed statistics are reduced over chunks (scratch per chunk: about 13 bytes an element) of at least CHUNK
+# elements and 1/64 of a larger tensor, at most CHUNK_MAX. Small pieces reuse the heap blocks that a model's small
+# activations free (fixed 2**16-element pieces left the heap 1-2 MiB larger on a 7 MiB step); a large tensor
+# takes at most 64 pieces up to 16M elements, and its scratch stays near a tenth of its own size.
+CHUNK = 1 << 14
+CHUNK_MAX = 1 << 18
 # Histograms of large tensors go chunk by chunk in pieces this small (their scratch stays in the cache), and
 # tensors up to this size are histogrammed together (``add_many``).
 HIST_CHUNK = BATCH_EACH = 1 << 16
@@ -77,12 +81,18 @@ class Internal:
 INTERNAL = Internal()
 
 
+def chunk_size(numel: int) -> int:
+    """The piece size in which the detailed level reads a tensor of ``numel`` elements."""
+    return min(CHUNK_MAX, max(CHUNK, -(-numel >> 6)))
+
+
 def _nansum32(w: torch.Tensor) -> torch.Tensor:
     """The NaN-ignoring float32 sum of ``w``. Summing a low-precision tensor with ``dtype=float32`` first makes a
     float32 copy of all of it, so a large one is summed in chunks (inf + -inf is NaN either way)."""
-    if w.dtype == torch.float32 or w.numel() <= 4 * CHUNK:
+    size = chunk_size(w.numel())
+    if w.dtype == torch.float32 or w.numel() <= 4 * size:
         return torch.nansum(w, dtype=torch.float32)
-    return torch.stack([torch.nansum(c, dtype=torch.float32) for c in chunks(w, CHUNK)]).sum()
+    return torch.stack([torch.nansum(c, dtype=torch.float32) for c in chunks(w, size)]).sum()
 
 
 def chunks(x: torch.Tensor, size: int = CHUNK) -> Iterator[torch.Tensor]:
@@ -229,7 +239,7 @@ class StatsCollector:
     # -- the detailed level, chunk by chunk ---------------------------------------------------------------------
     def _detail(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Counts (int64, in ``_COUNTS`` order) and (finite_min, finite_max, min_abs_nonzero) of ``x``."""
-        parts = [self._detail_chunk(c) for c in chunks(x, CHUNK)]
+        parts = [self._detail_chunk(c) for c in chunks(x, chunk_size(x.numel()))]
         if len(parts) == 1:
             return parts[0]
         counts = torch.stack([p[0] for p in parts]).sum(0)
