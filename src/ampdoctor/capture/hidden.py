@@ -107,10 +107,14 @@ class Paused:
         top = depth > 0 and torch._C._get_function_stack_at(depth - 1) is self.watch
         if top:
             torch._C._pop_torch_function_stack()
+            if self.watch.writes is not None:  # the watch also guarded writes: the guard alone stays meanwhile
+                torch._C._push_on_torch_function_stack(self.watch.writes)
         self._popped.append(top)
 
     def __exit__(self, *exc: object) -> None:
         if self._popped.pop():
+            if self.watch.writes is not None:
+                torch._C._pop_torch_function_stack()
             torch._C._push_on_torch_function_stack(self.watch)
 
 
@@ -134,9 +138,23 @@ class HiddenWatch(TorchFunctionMode):
         self._queued: list[tuple[int, list[int]]] = []  # (collector vector, positions in values)
         self._from_slots: list[tuple[int, int]] = []  # (position in values, collector slot of a staged tensor)
         self.paused = Paused(self)
+        # The pass's copy-on-write of parameters (capture.state.StateGuard), when the watch runs it too: one Python
+        # mode per op instead of two (see guarding); ``writes`` is its own mode, put in the watch's place while
+        # the watch is paused.
+        self.guard: Any = None
+        self.writes: Optional[TorchFunctionMode] = None
+
+    def guarding(self, guard: Any) -> None:
+        """Run ``guard.check_write`` (a StateGuard's copy-on-write of parameters) before every op the watch sees,
+        in place of the guard's own mode; while the watch is paused, the guard's own mode stands in for it."""
+        self.guard = guard
+        self.writes = guard.guard_writes()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        guard = self.guard
+        if guard is not None:
+            guard.check_write(func, args, kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             outs: Sequence[Any] = (out,)

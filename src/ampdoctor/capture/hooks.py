@@ -10,10 +10,12 @@ import contextlib
 import functools
 import itertools
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..records import GradKind
 from .cleanup import uninterrupted
@@ -137,6 +139,8 @@ class Recorder:
         self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
         self._handles: list[Any] = []
         self._module_handles: list[Any] = []
+        self._hooked: list[nn.Module] = []  # modules holding the pass's forward hooks under ``_hook_ids``
+        self._hook_ids = (-1, -1)
         self._recompute: list[int] = []  # original call index of each re-run in progress (-1 unmatched, -2 ignored)
         self._matched: set[int] = set()
         self.uncaptured: list[str] = []  # re-run calls that could not be matched to their original call
@@ -149,9 +153,25 @@ class Recorder:
     @uninterrupted
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
         pre, post = self._pre, self._post  # one bound method each for every module
+        # What ``register_forward_pre_hook(pre, with_kwargs=True)`` and ``register_forward_hook(post,
+        # with_kwargs=True)`` do, without a handle object per module (two on each of ten thousand modules): one hook
+        # id per kind for the whole pass, reserved from torch's own counter, and the same dict entries torch makes;
+        # drop_forward_hooks takes them out again. A module class with its own registration is asked as usual.
+        pre_id, post_id = RemovableHandle(OrderedDict()).id, RemovableHandle(OrderedDict()).id
+        self._hook_ids = (pre_id, post_id)
+        hooked = self._hooked
         for module in self.modules:
-            self._module_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            self._module_handles.append(module.register_forward_hook(post, with_kwargs=True))
+            if type(module).register_forward_pre_hook is not _REGISTER_PRE or type(
+                module
+            ).register_forward_hook is not _REGISTER_POST:
+                self._module_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                self._module_handles.append(module.register_forward_hook(post, with_kwargs=True))
+                continue
+            hooked.append(module)  # first: an interrupted install is still undone by drop_forward_hooks
+            module._forward_pre_hooks[pre_id] = pre
+            module._forward_pre_hooks_with_kwargs[pre_id] = True
+            module._forward_hooks[post_id] = post
+            module._forward_hooks_with_kwargs[post_id] = True
         if self.record_grads:
             for name, param in params:
                 if param.requires_grad:
@@ -175,6 +195,13 @@ class Recorder:
         for handle in self._module_handles:
             handle.remove()
         self._module_handles.clear()
+        pre_id, post_id = self._hook_ids
+        for module in self._hooked:
+            module._forward_pre_hooks.pop(pre_id, None)
+            module._forward_pre_hooks_with_kwargs.pop(pre_id, None)
+            module._forward_hooks.pop(post_id, None)
+            module._forward_hooks_with_kwargs.pop(post_id, None)
+        self._hooked.clear()
         self._producers.clear()
 
     @uninterrupted
@@ -382,6 +409,8 @@ class Recorder:
 
 
 _NOT_PAUSED = contextlib.nullcontext()
+_REGISTER_PRE = nn.Module.register_forward_pre_hook
+_REGISTER_POST = nn.Module.register_forward_hook
 _DisableTorchFunction = torch._C.DisableTorchFunction
 
 

@@ -41,8 +41,10 @@ class RecursionRoom:
     the recursion limit under hooks. The limit is raised by that much while the passes run (never lowered),
     and put back when the last user leaves (unless someone else changed it meanwhile)."""
 
-    def __init__(self, root: nn.Module) -> None:
-        self.extra = module_depth(root) * _HOOK_FRAMES_PER_LEVEL + _OWN_FRAMES
+    def __init__(self, root: nn.Module, depth: Optional[int] = None) -> None:
+        """``depth``: ``module_depth(root)`` when the caller knows it already (a pass enters room twice, for its
+        forward and for its backward: one walk of a model of ten thousand modules, not two)."""
+        self.extra = (module_depth(root) if depth is None else depth) * _HOOK_FRAMES_PER_LEVEL + _OWN_FRAMES
         self.entered = False
 
     @uninterrupted
