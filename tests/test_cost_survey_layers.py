@@ -135,3 +135,38 @@ def test_a_user_hook_registered_before_still_runs_first_and_stays() -> None:
     assert order == ["user", "ampdoctor"]
     assert len(model[0]._forward_hooks) == 1
     handle.remove()
+
+
+class WritesBehindTorch(nn.Module):
+    """Writes one element of a small parameter (and of a buffer) through numpy in its first forward: bytes changed
+    by no torch op at all, which only the fingerprints can see (as a C++ extension's write). The buffer write goes
+    to the pass's working copy of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)])
+        self.register_buffer("count", torch.zeros(3, dtype=torch.float16))
+        self.done = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.done:
+            self.done = True
+            self.layers[17].bias.detach().numpy()[2] += 1.0
+            self.count.numpy()[1] = 5.0
+        return self.layers(x)
+
+
+def test_fingerprints_name_what_no_python_level_op_wrote() -> None:
+    torch.manual_seed(0)
+    model = WritesBehindTorch()
+    spec = pass_spec(model, torch.randn(2, 4))
+    guard = StateGuard(model, spec.params)
+    try:
+        run_pass(spec, 1.0, PassOptions(), guard)
+    finally:
+        guard.restore()
+    note = next(n for n in guard.notes if "NOT restored" in n)
+    assert note.startswith("layers.17.bias changed during the diagnosis")
+    assert torch.equal(model.count, torch.zeros(3, dtype=torch.float16))  # the pass wrote a copy of the buffer
+    # The numpy write is no torch op: the copy-on-write guard never saw it (the bias keeps its new value).
+    assert not guard.saved and model.layers[17].bias[2].item() != 0.0

@@ -153,25 +153,28 @@ def _storage_key(t: torch.Tensor) -> Optional[int]:
 
 def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     """Two integer checksums of each tensor's bytes, computed on the tensor's device and read back once: a cheap
-    test that nothing wrote a tensor. The bytes are summed as wrapping 64-bit and 32-bit integers (same-type sums
-    run at memory speed; no temporaries): any single changed element moves the first. Small contiguous tensors
-    are summed together (:func:`_batched_checksums`: one concatenation and two segmented sums per device, not a
-    few ops per tensor: a model of 10,000 small layers has 20,000 parameters)."""
+    test that nothing wrote a tensor (any single changed element moves the first). Small contiguous tensors are
+    summed together (:func:`_batched_checksums`: per device and dtype, one concatenation and a few whole-batch
+    kernels, not a few ops per tensor: a model of 10,000 small layers has 20,000 parameters); a larger one alone,
+    as wrapping sums of its 64-bit and 32-bit words (same-type sums run at memory speed; no temporaries)."""
     blocks: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-    small: dict[torch.device, list[int]] = {}
+    small: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        flat = t.detach()
-        if flat.numel() and flat.device.type != "meta" and not flat.is_complex():
-            if flat.is_contiguous() and flat.numel() * flat.element_size() <= _BATCH_FINGERPRINT_BYTES:
-                small.setdefault(flat.device, []).append(i)
+        if t.is_contiguous() and 0 < t.nbytes <= _BATCH_FINGERPRINT_BYTES and t.dtype in _WORDS:
+            device = t.device
+            if device.type != "meta":
+                small.setdefault((device, t.dtype), []).append(i)
                 continue
+        flat = t.detach()
         total = torch.zeros(2, dtype=torch.int64, device=flat.device)
         if flat.numel() and not flat.is_complex() and flat.device.type != "meta":
             for chunk in chunks(flat, _FINGERPRINT_CHUNK):
                 total += _checksums(chunk)
         blocks.setdefault(flat.device, []).append(([i], total.reshape(1, 2)))
-    for device, at in small.items():
-        blocks.setdefault(device, []).append((at, _batched_checksums([tensors[i].detach() for i in at], device)))
+    for (device, _), at in small.items():
+        for start in range(0, len(at), _BATCH_TENSORS):
+            part = at[start : start + _BATCH_TENSORS]
+            blocks.setdefault(device, []).append((part, _batched_checksums([tensors[i] for i in part])))
     out: list[tuple[int, int]] = [(0, 0)] * len(tensors)
     for parts in blocks.values():  # one readback per device, not one per tensor
         numbers = torch.cat([block for _, block in parts]).tolist()
@@ -180,35 +183,32 @@ def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     return out
 
 
-# Tensors up to this many bytes are fingerprinted together.
+# Tensors up to this many bytes are fingerprinted together, at most this many at a time (their scratch: about 24
+# bytes an element).
 _BATCH_FINGERPRINT_BYTES = 1 << 16
-_SEGMENTS: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+_BATCH_TENSORS = 1 << 12
+# The integer type of each element size: a tensor's elements are read as these (every bit pattern distinct).
+_WORDS = {
+    dtype: {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+                  torch.int32, torch.int64, torch.bool, *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2")
+                                                              if hasattr(torch, n)))
+}
 
 
-def _batched_checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """(n, 2) int64: the checksums of :func:`_checksums` for small contiguous tensors, each one's bytes padded with
-    zeros to whole 64-bit words in one concatenation, summed per tensor with ``index_add_``."""
-    parts: list[torch.Tensor] = []
-    words: list[int] = []
-    for t in tensors:
-        data = t.reshape(-1).view(torch.uint8)
-        parts.append(data)
-        pad = -data.numel() % 8
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-        words.append((data.numel() + pad) // 8)
-    joined = torch.cat(parts)
-    key = (tuple(words), device)
-    segments = _SEGMENTS.get(key)
-    if segments is None:
-        if len(_SEGMENTS) > 16:
-            _SEGMENTS.clear()
-        ids = torch.repeat_interleave(torch.arange(len(words), device=device), torch.tensor(words, device=device))
-        segments = _SEGMENTS[key] = (ids, ids.repeat_interleave(2))
-    n = len(tensors)
-    wide = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, segments[0], joined.view(torch.int64))
-    narrow = torch.zeros(n, dtype=torch.int32, device=device).index_add_(0, segments[1], joined.view(torch.int32))
-    return torch.stack((wide, narrow.to(torch.int64)), 1)
+def _batched_checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(n, 2) int64 checksums of small contiguous tensors of one device and dtype, all at once: their elements
+    concatenated (one C++ call), read as integers of the same width (bit patterns, so -0.0 and NaN payloads
+    count), widened to int64; per tensor the wrapping sum of the elements, and of the elements times their
+    position in the concatenation (a different mix of the same bits), from two running sums."""
+    with torch.no_grad():
+        flat = torch._utils._flatten_dense_tensors(tensors)
+    words = flat.view(_WORDS[flat.dtype]).to(torch.int64)
+    ends = torch.tensor([t.numel() for t in tensors], device=words.device).cumsum_(0).sub_(1)
+    position = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
+    totals = torch.stack((words.cumsum(0), words.mul_(position).cumsum_(0)), 1)[ends]
+    totals[1:] -= totals[:-1].clone()  # running sums at each tensor's end, minus the previous end's
+    return totals
 
 
 def _checksums(chunk: torch.Tensor) -> torch.Tensor:
