@@ -13,7 +13,7 @@ from torch import nn
 from ampdoctor.capture.hooks import Recorder
 from ampdoctor.capture.options import PassOptions
 from ampdoctor.capture.passes import run_pass
-from ampdoctor.capture.state import StateGuard
+from ampdoctor.capture.state import StateGuard, fingerprints
 from ampdoctor.capture.stats import StatsCollector
 
 
@@ -170,3 +170,44 @@ def test_fingerprints_name_what_no_python_level_op_wrote() -> None:
     assert torch.equal(model.count, torch.zeros(3, dtype=torch.float16))  # the pass wrote a copy of the buffer
     # The numpy write is no torch op: the copy-on-write guard never saw it (the bias keeps its new value).
     assert not guard.saved and model.layers[17].bias[2].item() != 0.0
+
+
+def test_fingerprints_never_write_what_they_read() -> None:
+    # A lone int64 buffer (BatchNorm's num_batches_tracked) flattens to a view of itself and needs no widening.
+    alone = torch.tensor(7, dtype=torch.int64)
+    many = [torch.arange(3, dtype=torch.int64), torch.ones(2, 2), torch.zeros(5, dtype=torch.float16)]
+    versions = [t._version for t in [alone, *many]]
+    values = [t.clone() for t in [alone, *many]]
+    first = fingerprints([alone]) + fingerprints(many)
+    assert fingerprints([alone]) + fingerprints(many) == first
+    assert [t._version for t in [alone, *many]] == versions
+    assert all(torch.equal(t, v) for t, v in zip([alone, *many], values))
+
+
+@pytest.mark.parametrize("at", [3, 12])  # a parameter's hook (installed with the pass), a module output's (forward)
+def test_ctrl_c_right_after_a_tensor_hook_is_hung_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch, at: int
+) -> None:
+    from interrupt_harness import differences, model_and_batch, state_of
+    from test_interrupt import _ctrl_c
+
+    import ampdoctor
+    from ampdoctor.capture import hooks
+
+    model, batch = model_and_batch(blocks=2)
+    before = state_of(model)
+    original, calls = hooks.hang_tensor_hook, [0]
+
+    def hang(*args, **kwargs):  # type: ignore[no-untyped-def]
+        entry = original(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == at:
+            _ctrl_c()  # the hook is on the tensor, not yet in the recorder's list
+        return entry
+
+    monkeypatch.setattr(hooks, "hang_tensor_hook", hang)
+    with pytest.raises(KeyboardInterrupt):
+        ampdoctor.diagnose(model, batch, device_type="cpu", progress=False)
+    monkeypatch.undo()
+    assert calls[0] >= at
+    assert differences(before, state_of(model)) == []

@@ -21,7 +21,7 @@ from ..records import GradKind
 from .cleanup import uninterrupted
 from .reference import FloatReference
 from .state import RngState
-from .stats import INTERNAL, StatsCollector
+from .stats import StatsCollector, _internal
 from .walk import iter_tensors
 from .zoom import OpZoom
 
@@ -72,6 +72,27 @@ class GradSeen(NamedTuple):
 STASH_ELEMENTS = 1 << 20
 STASH_EACH = 1 << 16
 _ARG_PATHS = tuple(f"args[{i}]" for i in range(16))
+
+
+def hang_tensor_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Optional[tuple[Any, int]]:
+    """What ``t.register_hook(hook)`` does, for a plain tensor or parameter that requires grad, without its cost
+    (a handle object, an import and checks: about 20 us against 3 on this CPU, paid for every module output and
+    every parameter of a pass): the same dict torch keeps the tensor's hooks in, under an id reserved from torch's
+    own counter. Returns (that dict, the id) to take the hook out again with ``pop``; None for any other tensor
+    (a subclass: ask ``register_hook``)."""
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not nn.Parameter or torch.Tensor.register_hook is not _REGISTER_HOOK:
+        return None  # (a register_hook someone wrapped is honoured: it is asked)
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        grad_fn = t.grad_fn
+        if grad_fn is not None:
+            grad_fn._register_hook_dict(t)
+    hook_id = RemovableHandle.next_id
+    RemovableHandle.next_id = hook_id + 1
+    hooks[hook_id] = hook
+    return hooks, hook_id
 
 
 def register_grad_hook(t: torch.Tensor, receive: Callable[[torch.Tensor], None]) -> tuple[Any, bool]:
@@ -138,6 +159,7 @@ class Recorder:
         self._grad_order = itertools.count()
         self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
         self._handles: list[Any] = []
+        self._hung: list[tuple[Any, int]] = []  # tensor hooks hung by hang_tensor_hook: (their dict, their id)
         self._module_handles: list[Any] = []
         self._hooked: list[nn.Module] = []  # modules holding the pass's forward hooks under ``_hook_ids``
         self._hook_ids = (-1, -1)
@@ -173,9 +195,15 @@ class Recorder:
             module._forward_hooks[post_id] = post
             module._forward_hooks_with_kwargs[post_id] = True
         if self.record_grads:
+            hung = self._hung
             for name, param in params:
                 if param.requires_grad:
-                    self._handles.append(param.register_hook(functools.partial(self._param_grad, name)))
+                    hook = functools.partial(self._param_grad, name)
+                    entry = hang_tensor_hook(param, hook)
+                    if entry is None:
+                        self._handles.append(param.register_hook(hook))
+                    else:
+                        hung.append(entry)
 
     @uninterrupted
     def remove(self) -> None:
@@ -184,6 +212,9 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for hooks, hook_id in self._hung:
+            hooks.pop(hook_id, None)
+        self._hung.clear()
         self._stash.clear()
         self.close_zoom()
 
@@ -262,12 +293,23 @@ class Recorder:
         # sees them (the hidden-overflow watch, the copy-on-write guard: a few ops per tensor, each a trip through
         # Python otherwise). A float32 reference re-runs the model's own code in the hook: under the guard, so
         # only the watch steps aside then.
-        with INTERNAL, (self.paused if self.reference is not None else _DisableTorchFunction()):
-            self._enter(module, args, kwargs)
+        # (INTERNAL written out inline: these run twice per module call.)
+        depth = getattr(_internal, "depth", 0)
+        _internal.depth = depth + 1
+        try:
+            with self.paused if self.reference is not None else _DisableTorchFunction():
+                self._enter(module, args, kwargs)
+        finally:
+            _internal.depth = depth
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        with INTERNAL, (self.paused if self.reference is not None else _DisableTorchFunction()):
-            self._exit(module, args, kwargs, output)
+        depth = getattr(_internal, "depth", 0)
+        _internal.depth = depth + 1
+        try:
+            with self.paused if self.reference is not None else _DisableTorchFunction():
+                self._exit(module, args, kwargs, output)
+        finally:
+            _internal.depth = depth
 
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.reference is not None and self.reference.busy:
@@ -281,18 +323,26 @@ class Recorder:
             return
         try:
             name = self.names.get(id(module), "?")
-            number = self.counts.get(name, 0)
-            self.counts[name] = number + 1
+            counts = self.counts
+            number = counts.get(name, 0)
+            counts[name] = number + 1
             index = len(self.calls)
             inputs: list[tuple[str, int, bool, Optional[int], str]] = []
-            if not kwargs and len(args) <= len(_ARG_PATHS) and all(type(a) is torch.Tensor for a in args):
-                pairs: Any = zip(_ARG_PATHS, args)  # the common case, without walking
+            if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+                pairs: Any = ((_ARG_PATHS[0], args[0]),)  # the commonest case
+            elif not kwargs and len(args) <= len(_ARG_PATHS) and all(type(a) is torch.Tensor for a in args):
+                pairs = zip(_ARG_PATHS, args)  # the common case, without walking
             else:
                 pairs = itertools.chain(iter_tensors(args, "args"), iter_tensors(kwargs, "kwargs"))
             add = self.collector.add
+            producers = self._producers
             for path, t in pairs:
                 slot = add(t)
-                producer, producer_path = self._producer(t)
+                seen = producers.get(id(t))  # the earlier call that returned this very tensor (_producer, inline)
+                if seen is not None and seen[0]() is t:
+                    producer, producer_path = seen[1], seen[2]
+                else:
+                    producer, producer_path = None, ""
                 requires_grad = t.requires_grad
                 inputs.append((path, slot, requires_grad, producer, producer_path))
                 # An input returned by an earlier call already has that call's output hook: the very same
@@ -340,11 +390,15 @@ class Recorder:
             call = self.calls[index]
             pairs = (("out", output),) if type(output) is torch.Tensor else iter_tensors(output, "out")
             add = self.collector.add
+            producers = self._producers
             for path, t in pairs:
                 slot = add(t)
                 requires_grad = t.requires_grad
                 call.outputs.append((path, slot, requires_grad))
-                self._remember_producer(t, index, path)
+                try:  # _remember_producer, inline
+                    producers[id(t)] = (weakref.ref(t), index, path)
+                except TypeError:
+                    pass
                 if requires_grad and self.record_grads and t.is_floating_point():
                     self._grad_hook(t, "output", index, path)
             call.end_order = next(self._ends)
@@ -369,7 +423,13 @@ class Recorder:
     def _grad_hook(self, t: torch.Tensor, kind: GradKind, index: int, path: str) -> None:
         base = t._base
         via_base = base is not None and base.requires_grad
-        handle, _ = register_grad_hook(t, functools.partial(self._receive, kind, index, path, via_base))
+        receive = functools.partial(self._receive, kind, index, path, via_base)
+        if base is None:
+            entry = hang_tensor_hook(t, receive)
+            if entry is not None:
+                self._hung.append(entry)
+                return
+        handle, _ = register_grad_hook(t, receive)
         self._handles.append(handle)
 
     def _receive(self, kind: GradKind, index: int, path: str, via_base: bool, grad: torch.Tensor) -> None:
@@ -410,6 +470,7 @@ class Recorder:
 
 _NOT_PAUSED = contextlib.nullcontext()
 _REGISTER_PRE = nn.Module.register_forward_pre_hook
+_REGISTER_HOOK = torch.Tensor.register_hook
 _REGISTER_POST = nn.Module.register_forward_hook
 _DisableTorchFunction = torch._C.DisableTorchFunction
 

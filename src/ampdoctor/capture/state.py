@@ -7,6 +7,7 @@ streams (torch CPU, every initialised CUDA device, Python, numpy), so re-runs dr
 from __future__ import annotations
 
 import contextlib
+import operator
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -206,7 +207,9 @@ def _batched_checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
     words = flat.view(_WORDS[flat.dtype]).to(torch.int64)
     ends = torch.tensor([t.numel() for t in tensors], device=words.device).cumsum_(0).sub_(1)
     position = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
-    totals = torch.stack((words.cumsum(0), words.mul_(position).cumsum_(0)), 1)[ends]
+    # Out of place: ``words`` may be the tensor itself (a lone int64 tensor flattens to a view of it, and widens
+    # to itself), and a fingerprint never writes what it reads.
+    totals = torch.stack((words.cumsum(0), (words * position).cumsum_(0)), 1)[ends]
     totals[1:] -= totals[:-1].clone()  # running sums at each tensor's end, minus the previous end's
     return totals
 
@@ -336,8 +339,7 @@ class StateGuard:
         self._restore_params()
         copies = {key: b.detach().clone() for key, b in self.originals.items()}
         self._put_buffers(copies)
-        for module, flag in self.training:
-            module.training = flag
+        self._put_training()
 
     @uninterrupted
     def restore(self) -> None:
@@ -347,8 +349,7 @@ class StateGuard:
         self._put_parameters()
         self._restore_params()
         self._put_buffers(self.originals)
-        for module, flag in self.training:
-            module.training = flag
+        self._put_training()
         after = fingerprints(self._watched())
         names = [name for name, _ in self.params] + [
             f"buffer {name}" for m, names in self.buffer_names for name, b in names.items() if b is not None
@@ -364,10 +365,16 @@ class StateGuard:
             self._undo = None
         self._release()
 
+    def _put_training(self) -> None:
+        # Set only where a forward changed it (nn.Module.__setattr__ is a long way for ten thousand modules).
+        for module, flag in self.training:
+            if module.training != flag:
+                module.training = flag
+
     def _put_parameters(self) -> None:
         for module, before in self.param_slots:
             current = module._parameters
-            if len(current) == len(before) and all(current.get(k) is v for k, v in before.items()):
+            if current.keys() == before.keys() and all(map(operator.is_, map(current.get, before), before.values())):
                 continue  # nothing assigned (compared by identity: == on tensors compares values)
             replaced = [n for n in module._parameters if module._parameters[n] is not before.get(n)]
             for name in [n for n in module._parameters if n not in before]:
@@ -382,6 +389,8 @@ class StateGuard:
 
     def _put_buffers(self, tensors: dict[int, torch.Tensor]) -> None:
         for module, before in self.buffer_names:
+            if not before and not module._buffers:
+                continue  # most modules have none, before and after
             for name in [n for n in module._buffers if n not in before]:
                 del module._buffers[name]
             for name, value in before.items():
