@@ -434,9 +434,11 @@ class Recorder:
 
     def _receive(self, kind: GradKind, index: int, path: str, via_base: bool, grad: torch.Tensor) -> None:
         try:
-            grad = measurable(grad)
+            if grad.layout is not torch.strided:
+                grad = measurable(grad)
             # Gradients held in the low precision go into the pass's one summed histogram (loss-scale predictions).
-            slot = self.collector.add_fresh(grad, self.histograms > 1 and grad.dtype == self.collector.low_dtype)
+            collector = self.collector
+            slot = collector.add_fresh(grad, self.histograms > 1 and grad.dtype == collector.low_dtype)
             self.grads.append(GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base))
         except Exception as exc:
             self.error = self.error or exc

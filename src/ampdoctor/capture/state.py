@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import operator
 import random
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -228,6 +230,10 @@ def _checksums(chunk: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# What a module without parameters (or buffers) had of them: one shared, read-only empty mapping.
+_NONE: Mapping[str, Any] = types.MappingProxyType({})
+
+
 class _WriteGuard(TorchFunctionMode):
     """Copy-on-write for parameters: the first in-place write to a parameter's storage during a pass keeps a
     copy of the parameter first (a TorchFunctionMode costs little per op, unlike a dispatch mode)."""
@@ -266,9 +272,14 @@ class StateGuard:
         self.rng = rng or RngState.capture()
         # Which buffers each module had (None entries included), by object: a forward that fills a lazy cache
         # (register_buffer("cache", None), then set in forward) or adds a buffer is undone too.
-        self.buffer_names = [(m, dict(m._buffers)) for m in self.modules]
+        # (Modules with none share one empty mapping: no dict each for the thousands of activations of a model.)
+        self.buffer_names: list[tuple[nn.Module, Mapping[str, Any]]] = [
+            (m, dict(m._buffers) if m._buffers else _NONE) for m in self.modules
+        ]
         # Parameter objects by name: a forward that assigns a new nn.Parameter (or adds one) is undone too.
-        self.param_slots = [(m, dict(m._parameters)) for m in self.modules]
+        self.param_slots: list[tuple[nn.Module, Mapping[str, Any]]] = [
+            (m, dict(m._parameters) if m._parameters else _NONE) for m in self.modules
+        ]
         self.originals = {id(b): b for _, names in self.buffer_names for b in names.values() if b is not None}
         self.training = [(m, m.training) for m in self.modules]
         self.params = params
@@ -374,6 +385,8 @@ class StateGuard:
     def _put_parameters(self) -> None:
         for module, before in self.param_slots:
             current = module._parameters
+            if not current and not before:
+                continue
             if current.keys() == before.keys() and all(map(operator.is_, map(current.get, before), before.values())):
                 continue  # nothing assigned (compared by identity: == on tensors compares values)
             replaced = [n for n in module._parameters if module._parameters[n] is not before.get(n)]

@@ -202,12 +202,22 @@ class StatsCollector:
     def add_fresh(self, tensor: torch.Tensor, histogram: bool = False) -> int:
         """``add`` for a tensor made just now and seen once (a gradient in a hook): no lookup of earlier slots.
         ``histogram``: also add its binade histogram to :attr:`gradient_histogram` (:meth:`add_gradient_histogram`)."""
-        _internal.depth = getattr(_internal, "depth", 0) + 1
+        depth = getattr(_internal, "depth", 0)
+        _internal.depth = depth + 1
         try:
-            return self._measure(tensor.detach() if tensor.requires_grad else tensor,
-                                 2 if self.detailed else int(self.zeros), histogram)
+            x = tensor.detach() if tensor.requires_grad else tensor
+            dtype = x.dtype
+            if not self.detailed and x.is_cpu and dtype in STAGED_DTYPES and 0 < x.numel() <= STAGE_EACH:
+                # _measure's staged case written out (every module output's gradient in a backward comes here)
+                stage = self._cpu_stages.get(dtype)
+                if stage is not None:
+                    slots = self._slots
+                    slots.append((_NAMES[dtype], tuple(x.shape), stage, stage.add(x, histogram), int(self.zeros) + 3,
+                                  -1))
+                    return len(slots) - 1
+            return self._measure(x, 2 if self.detailed else int(self.zeros), histogram)
         finally:
-            _internal.depth -= 1
+            _internal.depth = depth
 
     def _measure(self, x: torch.Tensor, level: int, histogram: bool = False) -> int:
         dtype = x.dtype
