@@ -56,8 +56,9 @@ from .hidden_ops import (
     oversized_fill,
     resolved,
 )
+from .internal import INTERNAL, _internal
 from .state import written_tensor
-from .stats import INTERNAL, _internal, format_limits
+from .stats import format_limits
 from .zoom import innermost_user_line
 
 __all__ = ["MAX_CONSUMERS", "HiddenWatch", "Paused", "counted_op", "op_info", "targets_of", "watching"]

@@ -31,12 +31,13 @@ from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hidden import HiddenWatch, watching
 from .hooks import Recorder
+from .internal import INTERNAL
 from .op_peaks import op_peaks
 from .options import PLAIN_PASS, LossFn, PassOptions
 from .reference import FloatReference
 from .room import RecursionRoom, module_depth
 from .state import StateGuard
-from .stats import INTERNAL, StatsCollector
+from .stats import StatsCollector
 from .trace_build import build_trace, grad_events
 from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
