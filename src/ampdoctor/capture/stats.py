@@ -12,7 +12,6 @@ level reads a tensor in chunks (:func:`chunk_size`), so its temporaries stay sma
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -22,6 +21,7 @@ import torch
 from ..records import TensorStats, survey_stats
 from ..thresholds import HIST_HIGH, HIST_LOW
 from .dtypes import dtype_name
+from .internal import INTERNAL, Internal, _internal, measuring  # noqa: F401  (INTERNAL, measuring: re-exported)
 from .reductions import behind_nan, detailed_record, format_limits, segment_extremes, segment_ids
 from .staging import HIST_BINS, STAGE_EACH, STAGED_DEVICES, STAGED_DTYPES, Segments, Stage, histogram_bins
 
@@ -55,30 +55,6 @@ HIST_GROUP = 1024
 _COUNTS = ("nonzero", "nan", "posinf", "neginf", "below_tiny", "at_or_below_flush", "at_or_above_overflow")
 _DIRECT = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _NAMES = {dtype: dtype_name(dtype) for dtype in _DIRECT}
-
-
-_internal = threading.local()
-
-
-def measuring() -> bool:
-    """True while ampdoctor itself is computing statistics (op zooms must not mistake those ops for the model's)."""
-    return getattr(_internal, "depth", 0) > 0
-
-
-class Internal:
-    """``with INTERNAL:`` marks ampdoctor's own work (hooks, statistics): :func:`measuring` is True inside, so
-    the op zooms and the hidden-overflow watch pass its ops over. Reentrant; no allocation per use."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        _internal.depth = getattr(_internal, "depth", 0) + 1
-
-    def __exit__(self, *exc: object) -> None:
-        _internal.depth -= 1
-
-
-INTERNAL = Internal()
 
 
 def chunk_size(numel: int) -> int:
