@@ -14,7 +14,9 @@ diagnose.
 
 ``--profile`` runs the measured diagnose under ``torch.profiler`` (memory and Python stacks; slow) and prints, for
 each phase, the allocator's peak over the phase's start and the tensors alive at that moment, grouped by the op and
-the innermost ampdoctor / user frames that made them.
+the innermost ampdoctor / user frames that made them; at the end, the largest phase's allocator peak against a plain
+step's (tensors alone, whatever the heap's layout: the RSS rows also hold Python objects and heap fragmentation, which
+move by +-1-2 MiB between processes of the same code).
 """
 
 from __future__ import annotations
@@ -163,8 +165,7 @@ def _site(node: Any) -> str:
     return f"{op or '-'} <- " + " <- ".join(frames)
 
 
-def analyse_profile(prof: Any, labels: list[str], top: int) -> None:
-    """Per phase: the allocator's peak over the phase's start, and what is alive at that peak, by site."""
+def _allocations(prof: Any) -> list[Any]:
     events: list[Any] = []
     todo = list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
@@ -173,13 +174,32 @@ def analyse_profile(prof: Any, labels: list[str], top: int) -> None:
         if str(node.tag).endswith("Allocation"):
             events.append(node)
     events.sort(key=lambda n: n.start_time_ns)
+    return events
+
+
+def allocator_peak(prof: Any) -> float:
+    """The allocator's peak over its level before the first allocation (MiB): tensors only, no heap layout."""
+    events = _allocations(prof)
+    if not events:
+        return 0.0
+    first = events[0].extra_fields
+    start = int(first.total_allocated) - int(first.alloc_size)
+    return (max(int(e.extra_fields.total_allocated) for e in events) - start) / 2**20
+
+
+def analyse_profile(prof: Any, labels: list[str], top: int) -> list[float]:
+    """Per phase: the allocator's peak over the phase's start, and what is alive at that peak, by site; returns
+    the peaks (MiB)."""
+    events = _allocations(prof)
+    peaks: list[float] = []
     live: dict[int, tuple[int, str, int]] = {}  # ptr -> (bytes, site, phase index)
     phase, start_total, peak, peak_live = 0, None, 0, {}
 
     def finish() -> None:
         if start_total is None or phase >= len(labels):
             return
-        print(f"\n### {labels[phase]}: allocator peak +{(peak - start_total) / 2**20:.2f} MiB over its start "
+        peaks.append((peak - start_total) / 2**20)
+        print(f"\n### {labels[phase]}: allocator peak +{peaks[-1]:.2f} MiB over its start "
               f"(alive at the peak: {sum(b for b, _, _ in peak_live.values()) / 2**20:.2f} MiB)")
         by_site: dict[str, list[int]] = {}
         for size, site, born in peak_live.values():
@@ -206,6 +226,7 @@ def analyse_profile(prof: Any, labels: list[str], top: int) -> None:
         if total > peak:
             peak, peak_live = total, dict(live)
     finish()
+    return peaks
 
 
 def experiment(names: str) -> None:
@@ -282,11 +303,17 @@ def worker(variant: str, profile: bool = False, top: int = 12) -> None:
     plain = (_kib("VmHWM") - base) / 1024
     diagnose()
     settle()
-    PHASES.start()
+    plain_tensors = math.nan
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
+        with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as plain_prof:
+            plain_step(model, x, loss_fn)
+        plain_tensors = allocator_peak(plain_prof)
+        settle()
+    PHASES.start()
+    if profile:
         PHASES.profiling = True
         with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
             report = diagnose()
@@ -304,7 +331,10 @@ def worker(variant: str, profile: bool = False, top: int = 12) -> None:
     print(f"{'whole diagnose':72s} {max(p for _, p, _ in PHASES.rows):9.2f}  = "
           f"{max(p for _, p, _ in PHASES.rows) / plain:.2f}x the plain step")
     if profile:
-        analyse_profile(prof, [label for label, _, _ in PHASES.rows], top)
+        peaks = analyse_profile(prof, [label for label, _, _ in PHASES.rows], top)
+        print(f"\ntensors alone (the allocator's peak, no heap layout): plain step +{plain_tensors:.2f} MiB, the "
+              f"diagnose's largest phase +{max(peaks, default=math.nan):.2f} MiB = "
+              f"{max(peaks, default=math.nan) / plain_tensors:.2f}x")
 
 
 def main() -> int:

@@ -1,6 +1,4 @@
-"""Marking ampdoctor's own work: ``with INTERNAL:`` around hooks and statistics, :func:`measuring` inside them, so
-the op zooms and the hidden-overflow watch pass those ops over. A thread-local depth; the hot paths (the module
-hooks, the watch) set ``_internal.depth`` inline."""
+"""Marking ampdoctor's own tensor work (hooks, statistics), so op zooms and the hidden-overflow watch pass it over."""
 
 from __future__ import annotations
 
