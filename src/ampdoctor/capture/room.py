@@ -30,8 +30,12 @@ def module_depth(root: nn.Module) -> int:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        deepest = max(deepest, depth)
-        todo.extend((child, depth + 1) for child in module._modules.values() if child is not None)
+        if depth > deepest:
+            deepest = depth
+        children = module._modules
+        if children:  # (most modules of a large model are leaves: no generator for them)
+            below = depth + 1
+            todo.extend([(child, below) for child in children.values() if child is not None])
     return deepest
 
 
