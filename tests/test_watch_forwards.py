@@ -222,3 +222,37 @@ def test_data_parallel_keeps_forward_hooks() -> None:
         scaler.update()
     assert_clean(model)
     assert set(doctor.report().steps[0].out_abs_max) == {"", "0", "1", "2", "2.0", "2.1", "3"}
+
+
+class HooksItsOutput(nn.Module):
+    """A module whose own forward hangs a hook on its output before handing it on."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.linear, self.seen = nn.Linear(8, 8), seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        out.register_hook(lambda g: self.seen.append("own"))
+        return out
+
+
+def test_the_users_tensor_hooks_on_module_outputs_run_and_stay() -> None:
+    seen: list[str] = []
+    model = nn.Sequential(HooksItsOutput(seen), nn.Linear(8, 8))
+    with ampdoctor.watch(model, stats_every=1, dtype=FP16, save_bundle=False) as doctor:
+        with torch.autocast("cpu", dtype=FP16):
+            hidden = model[0](torch.randn(2, 8))  # a training step that calls a submodule directly
+            out = model[1](hidden)
+        hidden.register_hook(lambda g: seen.append("user"))  # into the hook dict the watch's hook is in
+        loss = out.float().pow(2).sum()
+        doctor.see_loss(loss)
+        loss.backward(retain_graph=True)
+        doctor.step()
+        assert sorted(seen) == ["own", "user"]
+        loss.backward()  # the closed step's graph again: the user's hooks fire, the watch's are gone
+        doctor.step()
+    assert sorted(seen) == ["own", "own", "user", "user"]
+    first, second = doctor.steps
+    assert set(first.grad_abs_max) == {"0", "0.linear", "1"} and dict(second.grad_abs_max) == {}
+    assert doctor._errors == []

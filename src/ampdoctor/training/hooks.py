@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Any, Optional, Protocol
 
@@ -27,7 +28,7 @@ from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
 from ..capture.walk import iter_tensors
 from .compiled import CompiledStats, RootTap, is_compiled
-from .fastpath import hang_grad_hook
+from .fastpath import OWN_KEY, hang_grad_hook
 from .forwards import ForwardTap, HookTap, Tap, has_forward_hooks, wrappers_fit
 from .optrack import OpTracker
 from .quiet import diagnosing, recomputing
@@ -346,11 +347,15 @@ class _ModuleProbe:
                 node = t.grad_fn
                 if node is not None:
                     receive = self.receivers[low] or self._receiver(low)
-                    # hang_grad_hook's common case, inline: a node's first output, no view. The handle goes
-                    # straight into the step's list (a Ctrl-C in between leaves a hook on this step's graph only,
-                    # which dies with it)
-                    if t._base is None and t.output_nr == 0:
-                        cur.tensor_handles.append(node.register_prehook(receive.node0))
+                    # the common case, inline: no view, no hook yet: our hook in the tensor's own hook dict, in C
+                    # (fastpath's docstring). The dict goes straight into the step's list (a Ctrl-C in between
+                    # leaves a hook on this step's graph only, which dies with it)
+                    if t._base is None and t._backward_hooks is None:
+                        hooks_of_t = OrderedDict()  # what register_hook makes (its handles keep a weakref to it)
+                        hooks_of_t[OWN_KEY] = receive
+                        t._backward_hooks = hooks_of_t
+                        node._register_hook_dict(t)
+                        cur.tensor_handles.append(hooks_of_t)
                     else:
                         _hang(cur.tensor_handles, t, receive)
                 elif t.requires_grad:  # a leaf that asks for a gradient (a module handing back its input)
@@ -381,11 +386,13 @@ class _GradReceiver:
         self.node0 = self.first  # the node pre-hook of a node's first output, made once
 
     def first(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
-        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does, and
-        :meth:`__call__`, in one call: this runs for every module output in every sampled backward)."""
+        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does)."""
         g = grads[0] if grads else None
-        if g is None:
-            return
+        if g is not None:
+            self(g)
+
+    def __call__(self, g: torch.Tensor) -> None:
+        """As a tensor hook (this runs for every module output in every sampled backward)."""
         try:
             if g.numel():
                 if torch.is_grad_enabled():  # a double backward (create_graph=True): the value, off the graph
@@ -396,6 +403,3 @@ class _GradReceiver:
                     collector.underflow(g)
         except Exception as exc:
             self.w.fail(exc)
-
-    def __call__(self, g: torch.Tensor) -> None:
-        self.first((g,))
