@@ -351,9 +351,10 @@ class _ModuleProbe:
                     # (fastpath's docstring). The dict goes straight into the step's list (a Ctrl-C in between
                     # leaves a hook on this step's graph only, which dies with it)
                     if t._base is None and t._backward_hooks is None:
-                        hooks_of_t = OrderedDict()  # what register_hook makes (its handles keep a weakref to it)
+                        # an OrderedDict, as register_hook makes (its handles keep a weakref to it)
+                        hooks_of_t: OrderedDict[int, Any] = OrderedDict()
                         hooks_of_t[OWN_KEY] = receive
-                        t._backward_hooks = hooks_of_t
+                        t._backward_hooks = hooks_of_t  # type: ignore[assignment]
                         node._register_hook_dict(t)
                         cur.tensor_handles.append(hooks_of_t)
                     else:
