@@ -396,7 +396,7 @@ class _GradReceiver:
         """As a tensor hook (this runs for every module output in every sampled backward)."""
         try:
             if g.numel():
-                if torch.is_grad_enabled():  # a double backward (create_graph=True): the value, off the graph
+                if g.requires_grad:  # a double backward (create_graph=True): the value, off the graph
                     g = g.detach()
                 collector = self.w.cur.collector
                 collector.put(self.key, g)
