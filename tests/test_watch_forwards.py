@@ -256,3 +256,20 @@ def test_the_users_tensor_hooks_on_module_outputs_run_and_stay() -> None:
     first, second = doctor.steps
     assert set(first.grad_abs_max) == {"0", "0.linear", "1"} and dict(second.grad_abs_max) == {}
     assert doctor._errors == []
+
+
+def test_a_copy_made_inside_a_step_records_nothing_into_the_watch() -> None:
+    model = mlp()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ampdoctor.watch(model, scaler, stats_every=1, save_bundle=False) as doctor:
+        twin = copy.deepcopy(model)  # an EMA copy, say, made while watched
+        with torch.autocast("cpu", dtype=FP16):
+            out = model(torch.randn(2, 8))
+            twin(torch.randn(2, 8) * 1e3).float().sum().backward()  # a training forward of the copy
+        scaler.scale(out.float().sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    record = doctor.report().steps[0]
+    assert record.micro_batches == 1  # the watched model's forward only
+    assert max(record.out_abs_max.values()) < 100  # nothing of the copy's (1e3-scaled) outputs
