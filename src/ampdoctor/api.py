@@ -279,13 +279,12 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
             window = session.optional("loss-scale window", measure, None)
     session.share.release()  # the probes' graph goes before any other pass runs
     final = survey
-    if (
-        origin is not None
-        or scale_finding is not None
-        or (underflow is not None and underflow.share >= UNDERFLOW_VERDICT_SHARE)
-        or near_limit(survey, modules, limits)
-        or survey.op_overflows  # counted, classified per element and located by the detailed re-run
-    ):
+    detail_wanted = origin is not None or scale_finding is not None or (
+        underflow is not None and underflow.share >= UNDERFLOW_VERDICT_SHARE
+    )
+    near = None if detail_wanted else near_limit(survey, modules, limits)  # analyze's too, without a re-run
+    # Op overflows are counted, classified per element and located by the detailed re-run.
+    if detail_wanted or near or survey.op_overflows:
         zoom = None
         if origin is not None and origin.module != BATCH:
             zoom = (LOSS, 0) if origin.module == LOSS else (origin.module, origin.call)
@@ -297,6 +296,7 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
         # Without the detailed re-run the report stands on the survey (no op zoom, survey-level counts).
         final = session.optional("detail and op zoom", detail, survey)
         modules = capture_params(spec, named)
+        near = None  # analyze's own, on the detailed pass and parameters
     if window_deferred and window is None and origin is None and survey.backward_ran and survey.gradients_finite():
         hidden = [o for o in final.op_overflows if o.count != 0]
         if hidden:
@@ -332,7 +332,8 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
         backward_note=backward_note(survey, spec.backward, spec.params),
     )
     cpu_policy = spec.policy == "native" and spec.device_type == "cpu"
-    findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy)
+    near = near if final is survey else None
+    findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy, near)
     if cpu_policy:
         findings = _check_policy_notes(session, findings, modules, final.scale)
     recommendations = recommend(findings, run_info, modules, options.margin_bits)

@@ -15,6 +15,7 @@ scale are visible only against a float32 backward, which the caller may allow (`
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -115,23 +116,43 @@ def exponent_of(scale: float) -> Optional[int]:
 def low_precision_modules(trace: PassTrace, limits: FormatLimits) -> set[str]:
     """The modules with a call returning a tensor in the low precision: their parameter gradients are computed in it
     (a Linear under autocast: its weight gradient is the float16 result of a matmul, cast to float32 after)."""
-    return {c.module for c in trace.calls if any(r.stats.dtype == limits.dtype for r in c.outputs)}
+    low = limits.dtype
+    found: set[str] = set()
+    for c in trace.calls:
+        for r in c.outputs:
+            if r.stats.dtype == low:
+                found.add(c.module)
+                break
+    return found
 
 
-def predicted_top(trace: PassTrace, limits: FormatLimits, modules: Sequence[ModuleInfo] = ()) -> int:
+def predicted_top(
+    trace: PassTrace,
+    limits: FormatLimits,
+    modules: Sequence[ModuleInfo] = (),
+    owners: Optional[Mapping[str, str]] = None,
+    low_modules: Optional[set[str]] = None,
+) -> int:
     """The exponent of the largest power-of-two scale at which the largest recorded low-precision gradient of
     ``trace`` stays below the overflow threshold (exact: a power of two scales it exactly).
 
     Low-precision gradients are those held in the format, and the parameter gradients of modules that ran in it
     (a Linear under autocast: its weight gradient is the float16 result of a matmul, cast to float32 after).
+    ``owners`` (``param_owners(modules)``) and ``low_modules`` (``low_precision_modules``): when the caller has
+    them already.
     """
-    low_modules = low_precision_modules(trace, limits)
-    owners = param_owners(modules)
+    if low_modules is None:
+        low_modules = low_precision_modules(trace, limits)
+    if owners is None:
+        owners = param_owners(modules)
     largest = 0.0
+    dtype = limits.dtype
     for e in trace.grad_events:
-        low = e.stats.dtype == limits.dtype or (e.kind == "param" and owners.get(e.param or "") in low_modules)
-        if low and e.stats.abs_max:
-            largest = max(largest, e.stats.abs_max)
+        low = e.stats.dtype == dtype or (e.kind == "param" and owners.get(e.param or "") in low_modules)
+        if low:
+            abs_max = e.stats.abs_max
+            if abs_max and abs_max > largest:
+                largest = abs_max
     if largest == 0 or not math.isfinite(largest):
         return MAX_WINDOW_EXPONENT
     exponent = math.floor(math.log2(limits.overflow_threshold / largest))
@@ -296,7 +317,18 @@ def _prefixes(rows: Sequence[Sequence[float]], groups: Sequence[int], count: int
     width = max((len(r) for r in rows), default=0)
     summed = np.zeros((count, width), dtype=np.float64)
     if rows and all(len(r) == width for r in rows):
-        np.add.at(summed, np.asarray(groups, dtype=np.int64), np.asarray(rows, dtype=np.float64))
+        # One matrix of every row (a flat read of the numbers, not a nested conversion), summed per group by one
+        # reduceat over the rows in group order: counts below 2**53 sum exactly in any order.
+        if isinstance(rows[0], np.ndarray):
+            matrix = np.asarray(rows, dtype=np.float64)
+        else:
+            flat = itertools.chain.from_iterable(rows)
+            matrix = np.fromiter(flat, dtype=np.float64, count=len(rows) * width).reshape(len(rows), width)
+        keys = np.asarray(groups, dtype=np.int64)
+        order = np.argsort(keys, kind="stable")
+        ordered = keys[order]
+        starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+        summed[ordered[starts]] = np.add.reduceat(matrix[order], starts, axis=0)
     else:
         for group, row in zip(groups, rows):
             summed[group, : len(row)] += np.asarray(row, dtype=np.float64)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..numbers import fmt_scale
-from ..records import FormatLimits, FrozenMap, ModuleInfo, OpOverflow, PassTrace
+from ..records import FormatLimits, FrozenMap, ModuleInfo, OpOverflow, PassTrace, TensorStats
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 from .findings import ScaleWindow, WindowProbe
 from .origin import param_owners
@@ -85,6 +85,8 @@ class _Basis:
     t: int
     owners: Mapping[str, str]
     prediction: LossPrediction
+    low_modules: set[str]  # low_precision_modules(survey, limits)
+    param_grads: Mapping[str, TensorStats]  # survey.param_grads()
 
 
 def _basis(
@@ -94,11 +96,13 @@ def _basis(
     u = exponent_of(survey.scale)
     if u is None or not histograms or not survey.backward_ran or not survey.healthy():
         return None
-    t = predicted_top(survey, limits, modules)
+    owners = param_owners(modules)
+    low = low_precision_modules(survey, limits)
+    t = predicted_top(survey, limits, modules, owners, low)
     if t < u or t >= MAX_WINDOW_EXPONENT:
         return None
-    owners = param_owners(modules)
-    return _Basis(u, t, owners, LossPrediction(histograms, u, _flush_exponent(limits), owners))
+    prediction = LossPrediction(histograms, u, _flush_exponent(limits), owners)
+    return _Basis(u, t, owners, prediction, low, survey.param_grads())
 
 
 def underflow_evidence(
@@ -107,9 +111,9 @@ def underflow_evidence(
     """The evidence that a reference backward at a larger scale would find (almost) nothing lost at the survey's
     scale, or None when the survey does not show it (then the reference runs)."""
     u, t, owners, prediction = basis.u, basis.t, basis.owners, basis.prediction
-    low = low_precision_modules(survey, limits)
+    low = basis.low_modules
     nonzero = low_zeros = low_values = 0
-    for name, stats in survey.param_grads().items():
+    for name, stats in basis.param_grads.items():
         if stats.nonzero_count is None or stats.zero_count is None:
             return None  # not counted: no bound
         nonzero += stats.nonzero_count
@@ -139,7 +143,7 @@ def predicted_window(
     if basis.u < 0:
         return None
     by_module: dict[str, int] = defaultdict(int)
-    for name, stats in survey.param_grads().items():
+    for name, stats in basis.param_grads.items():
         by_module[owners.get(name, name)] += stats.nonzero_count or 0
     total = sum(by_module.values())
     if not total or prediction.lost(0) > SKIP_SHARE * total or prediction.gradient_share(0) >= CONFIDENT_GRADIENTS:

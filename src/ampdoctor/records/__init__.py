@@ -245,6 +245,15 @@ class PassTrace:
             object.__setattr__(self, "_gradients_finite", found)
         return found
 
+    def bad_output_calls(self) -> tuple[ModuleCall, ...]:
+        """Calls with a measured, non-finite output, in start order: none in a healthy pass (walked once per record,
+        kept beside the fields like :meth:`gradients_finite`; asked by the origin, the rows and the mechanisms)."""
+        found = self.__dict__.get("_bad_output_calls")
+        if found is None:
+            found = tuple(c for c in self.calls if any(r.stats.measured and not r.stats.is_finite for r in c.outputs))
+            object.__setattr__(self, "_bad_output_calls", found)
+        return found
+
     def forward_finite(self) -> bool:
         """The loss and the model's outputs are finite."""
         return self.loss is not None and self.loss.is_finite and all(r.stats.is_finite for r in self.output)
