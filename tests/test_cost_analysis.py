@@ -16,7 +16,8 @@ from ampdoctor.analysis import near_limit
 from ampdoctor.analysis.findings import NearLimit
 from ampdoctor.analysis.headroom import beyond_range_params, headroom_bits
 from ampdoctor.analysis.origin import forward_origin, not_captured
-from ampdoctor.analysis.scale import _prefixes, low_precision_modules, predicted_top
+from ampdoctor.analysis.prediction import _prefixes
+from ampdoctor.analysis.scale import low_precision_modules, predicted_top
 from ampdoctor.capture.stats import format_limits
 from ampdoctor.records import (
     FormatLimits,
