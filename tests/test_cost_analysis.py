@@ -163,3 +163,24 @@ def test_prefixes_match_summing_row_by_row(as_arrays: bool) -> None:
         summed[g] += row.astype(np.float64)
     expected = np.concatenate((np.zeros((len(used), 1)), np.cumsum(summed, axis=1)), axis=1)
     assert np.array_equal(_prefixes(rows, dense, len(used)), expected)
+
+
+def test_records_built_field_by_field_equal_their_constructors() -> None:
+    """build_trace sets only the fields that differ from the defaults: every record reads, compares, hashes and
+    round-trips as the one its constructor builds from the same values."""
+    import dataclasses
+
+    import ampdoctor
+    from ampdoctor.report import Report
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    report = ampdoctor.diagnose(model, torch.randn(3, 4), verify=False)
+    records = [*report.trace.calls, *report.trace.grad_events]
+    records += [r for c in report.trace.calls for r in (*c.inputs, *c.outputs)]
+    assert any(r.producer is not None for c in report.trace.calls for r in c.inputs)
+    assert any(e.param is not None for e in report.trace.grad_events)
+    for record in records:
+        built = type(record)(**{f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
+        assert built == record and hash(built) == hash(record)
+    assert Report.from_json(report.to_json()) == report
