@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..numbers import fmt_scale
-from ..records import FormatLimits, FrozenMap, ModuleInfo, OpOverflow, PassTrace, TensorStats
+from ..records import FormatLimits, FrozenMap, ModuleInfo, OpOverflow, PassTrace
 from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 from .findings import ScaleWindow, WindowProbe
 from .origin import param_owners
@@ -86,7 +86,7 @@ class _Basis:
     owners: Mapping[str, str]
     prediction: LossPrediction
     low_modules: set[str]  # low_precision_modules(survey, limits)
-    param_grads: Mapping[str, TensorStats]  # survey.param_grads()
+    grads: list[tuple[str, Optional[int], int]]  # per parameter gradient: name, zero count (None: not counted), numel
 
 
 def _basis(
@@ -102,7 +102,8 @@ def _basis(
     if t < u or t >= MAX_WINDOW_EXPONENT:
         return None
     prediction = LossPrediction(histograms, u, _flush_exponent(limits), owners)
-    return _Basis(u, t, owners, prediction, low, survey.param_grads())
+    grads = [(name, stats.zero_count, math.prod(stats.shape)) for name, stats in survey.param_grads().items()]
+    return _Basis(u, t, owners, prediction, low, grads)
 
 
 def underflow_evidence(
@@ -113,13 +114,13 @@ def underflow_evidence(
     u, t, owners, prediction = basis.u, basis.t, basis.owners, basis.prediction
     low = basis.low_modules
     nonzero = low_zeros = low_values = 0
-    for name, stats in basis.param_grads.items():
-        if stats.nonzero_count is None or stats.zero_count is None:
+    for name, zeros, numel in basis.grads:
+        if zeros is None:
             return None  # not counted: no bound
-        nonzero += stats.nonzero_count
+        nonzero += numel - zeros
         if owners.get(name) in low:
-            low_zeros += stats.zero_count
-            low_values += stats.numel
+            low_zeros += zeros
+            low_values += numel
     if nonzero == 0 or low_zeros > SKIP_SHARE * nonzero:
         return None
     margin = max(t - u, SKIP_MARGIN_BITS)
@@ -143,8 +144,8 @@ def predicted_window(
     if basis.u < 0:
         return None
     by_module: dict[str, int] = defaultdict(int)
-    for name, stats in basis.param_grads.items():
-        by_module[owners.get(name, name)] += stats.nonzero_count or 0
+    for name, zeros, numel in basis.grads:
+        by_module[owners.get(name, name)] += 0 if zeros is None else numel - zeros
     total = sum(by_module.values())
     if not total or prediction.lost(0) > SKIP_SHARE * total or prediction.gradient_share(0) >= CONFIDENT_GRADIENTS:
         return None

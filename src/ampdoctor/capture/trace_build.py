@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..records import GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats, survey_stats
+from ..records import GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats
 from .hooks import Recorder
 
 # Records are built by the ten thousand on a model of many small modules: set only the fields that differ from the
@@ -81,7 +81,19 @@ def grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> t
     for g in sorted(recorder.grads):
         found = unscaled.get(g.slot)
         if found is None:
-            found = unscaled[g.slot] = _unscaled(stats[g.slot], scale)
+            seen = stats[g.slot]
+            lo, hi = seen.min, seen.max
+            if scale == 1.0 or seen.nan_count is not None or lo is None or hi is None:
+                found = seen.scaled_down(scale)
+            else:  # survey level: the same four fields divided (``scaled_down`` by the shortest path)
+                found = _new(TensorStats)
+                _put(found, "dtype", seen.dtype)
+                _put(found, "shape", seen.shape)
+                _put(found, "min", lo / scale)
+                _put(found, "max", hi / scale)
+                if seen.zero_count is not None:
+                    _put(found, "zero_count", seen.zero_count)
+            unscaled[g.slot] = found
         e = _new(GradEvent)
         _put(e, "order", g.order)
         _put(e, "kind", g.kind)
@@ -96,10 +108,3 @@ def grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> t
             _put(e, "via_base", g.via_base)
         append(e)
     return tuple(events)
-
-
-def _unscaled(stats: TensorStats, scale: float) -> TensorStats:
-    """``stats.scaled_down(scale)``, built directly for survey-level statistics (a few per module call)."""
-    if stats.detailed or stats.min is None or stats.max is None or scale == 1.0:
-        return stats.scaled_down(scale)
-    return survey_stats(stats.dtype, stats.shape, stats.min / scale, stats.max / scale, stats.zero_count)
