@@ -184,3 +184,28 @@ def test_records_built_field_by_field_equal_their_constructors() -> None:
         built = type(record)(**{f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
         assert built == record and hash(built) == hash(record)
     assert Report.from_json(report.to_json()) == report
+
+
+def test_records_the_path_walk_skips_hold_no_source_location() -> None:
+    """report.paths skips these records when it looks for source files: none can hold a SourceLocation."""
+    import dataclasses
+    import typing
+
+    from ampdoctor.records import SourceLocation
+    from ampdoctor.report.paths import _NO_LOCATION
+
+    def reachable(hint: object, seen: set[object]) -> bool:
+        if hint is SourceLocation:
+            return True
+        if hint in seen:
+            return False
+        seen.add(hint)
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            return any(reachable(h, seen) for h in typing.get_type_hints(hint).values())
+        return any(reachable(a, seen) for a in typing.get_args(hint))
+
+    for cls in _NO_LOCATION:
+        assert not reachable(cls, set()), cls
+    from ampdoctor.records import OpFinding
+
+    assert reachable(OpFinding, set())  # the check finds one where there is one
