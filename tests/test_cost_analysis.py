@@ -209,3 +209,22 @@ def test_records_the_path_walk_skips_hold_no_source_location() -> None:
     from ampdoctor.records import OpFinding
 
     assert reachable(OpFinding, set())  # the check finds one where there is one
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_forward_healthy_looks_only_at_bad_output_calls_and_agrees(seed: int) -> None:
+    trace, _ = _trace(random.Random(200 + seed), F16, n=40)
+    expected = trace.forward_finite() and not any(
+        r.stats.measured and (r.stats.has_nan or r.stats.has_posinf) for c in trace.calls for r in c.outputs
+    )
+    assert trace.forward_healthy() == expected
+    rng = random.Random(seed)
+    neg = TensorStats("float16", (4,), -INF, 1.0, 0)  # -inf only: a mask-like output, still healthy
+    calls = tuple(
+        ModuleCall(i, f"m{i}", 0, "Linear", None, i, outputs=(TensorRecord("out", neg if rng.random() < 0.5 else
+                                                                          TensorStats("float16", (4,), -1.0, 1.0, 0)),))
+        for i in range(6)
+    )
+    finite = TensorStats("float32", (), 0.5, 0.5, 0)
+    clean = PassTrace(1.0, False, calls, (), (), (TensorRecord("out", finite),), finite, False)
+    assert clean.forward_healthy()

@@ -263,9 +263,11 @@ class PassTrace:
         if not self.forward_finite():
             return False
         found = self.__dict__.get("_outputs_healthy")
-        if found is None:
+        if found is None:  # NaN or +inf makes a record non-finite: only the bad-output calls can hold one
             found = not any(
-                r.stats.measured and (r.stats.has_nan or r.stats.has_posinf) for c in self.calls for r in c.outputs
+                r.stats.measured and (r.stats.has_nan or r.stats.has_posinf)
+                for c in self.bad_output_calls()
+                for r in c.outputs
             )
             object.__setattr__(self, "_outputs_healthy", found)
         return found
