@@ -76,6 +76,7 @@ def build_trace(
 def grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> tuple[GradEvent, ...]:
     """The gradients of one backward, in execution order, unscaled (the same gradient seen twice divided once)."""
     unscaled: dict[int, TensorStats] = {}
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape (the report keeps them)
     events: list[GradEvent] = []
     append = events.append
     for g in sorted(recorder.grads):
@@ -88,7 +89,7 @@ def grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> t
             else:  # survey level: the same four fields divided (``scaled_down`` by the shortest path)
                 found = _new(TensorStats)
                 _put(found, "dtype", seen.dtype)
-                _put(found, "shape", seen.shape)
+                _put(found, "shape", shapes.setdefault(seen.shape, seen.shape))
                 _put(found, "min", lo / scale)
                 _put(found, "max", hi / scale)
                 if seen.zero_count is not None:
