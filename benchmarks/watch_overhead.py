@@ -7,8 +7,8 @@ times the classic loop — ``autocast`` forward, loss, ``scaler.scale(loss).back
 * **plain**: the loop alone;
 * **watch**: the loop inside ``ampdoctor.watch(model, scaler)`` with its defaults (per step: the loss, the root
   outputs, the scale and GradScaler's found-inf flags, read back once; per-module statistics every 50 steps);
-* **watch, stats every step**: ``stats_every=1`` (forward hooks on every module and gradient hooks on their
-  outputs at every step).
+* **watch, stats every step**: ``stats_every=1`` (every module's outputs measured at every step, by an instance
+  ``forward`` wrapper that keeps torch's hook-free call path, and a gradient hook on each output).
 
 Modes are interleaved block by block (the order rotated each round) so drift in machine speed hits them alike.
 Each block is timed in process CPU time (``time.process_time``: what other processes on a loaded machine do
@@ -122,7 +122,9 @@ class BareHooks:
     every module that measures its output with one ``aminmax`` into a preallocated slot and hangs one autograd
     node pre-hook that measures the output's gradient the same way; nothing recorded, nothing read back. What
     ``watch`` with statistics every step costs beyond this is its own bookkeeping; what this costs is the price
-    of Python hooks per module (torch's hooked call path, the node hook's registration and call)."""
+    of Python hooks per module (torch's hooked call path, the node hook's registration and call). The watch itself
+    is built below this floor: no module hook (a ``forward`` wrapper keeps torch's fast call path) and gradient
+    hooks set in C (the tensor's own hook dict), so its ratio can come out under this one."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

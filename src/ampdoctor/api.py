@@ -200,10 +200,11 @@ def _diagnose_model(root: nn.Module, notes: list[str], batch: Any, options: Diag
     shown = progress_callback(options.progress)
     # Inside torch.inference_mode() autograd is off and tensors cannot be saved for backward: run with it off
     # (the context puts the user's mode back), on normal copies of inference tensors.
+    named = list(root.named_modules())  # walked once per diagnosis
     with torch.inference_mode(False), shown as callback:
         spec = PassSpec(
             root=root,
-            names={id(m): name for name, m in root.named_modules()},
+            names={id(m): name for name, m in named},
             params=list(root.named_parameters()),
             batch=usable_batch(batch),
             loss_fn=options.loss_fn,
@@ -215,7 +216,7 @@ def _diagnose_model(root: nn.Module, notes: list[str], batch: Any, options: Diag
         guard = StateGuard(root, spec.params)
         session = Session(spec, guard, limit, callback)
         try:
-            report = _diagnose(session, used_scale, scale_source, options)
+            report = _diagnose(session, named, used_scale, scale_source, options)
         finally:
             session.close()
             guard.restore()
@@ -227,11 +228,12 @@ def _diagnose_model(root: nn.Module, notes: list[str], batch: Any, options: Diag
     return dataclasses.replace(report, run=run)
 
 
-def _diagnose(session: Session, used_scale: float, scale_source: str, options: DiagnoseOptions) -> Report:
+def _diagnose(
+    session: Session, named: list[tuple[str, nn.Module]], used_scale: float, scale_source: str, options: DiagnoseOptions
+) -> Report:
     spec = session.spec
     fp32_reference = options.fp32_reference
     limits = format_limits(spec.dtype)
-    named = list(spec.root.named_modules())
     # Parameters at the survey level (min, max, zeros); in detail only when a detailed re-run follows.
     modules = capture_params(spec, named, detailed=False)
     survey = _survey(session, used_scale, options.reference)
@@ -279,13 +281,11 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
             window = session.optional("loss-scale window", measure, None)
     session.share.release()  # the probes' graph goes before any other pass runs
     final = survey
-    if (
-        origin is not None
-        or scale_finding is not None
-        or (underflow is not None and underflow.share >= UNDERFLOW_VERDICT_SHARE)
-        or near_limit(survey, modules, limits)
-        or survey.op_overflows  # counted, classified per element and located by the detailed re-run
-    ):
+    detail_wanted = origin is not None or scale_finding is not None or (
+        underflow is not None and underflow.share >= UNDERFLOW_VERDICT_SHARE
+    )
+    near = None if detail_wanted else near_limit(survey, modules, limits)  # analyze's too, without a re-run
+    if detail_wanted or near or survey.op_overflows:  # op overflows: counted, classified, located by the re-run
         zoom = None
         if origin is not None and origin.module != BATCH:
             zoom = (LOSS, 0) if origin.module == LOSS else (origin.module, origin.call)
@@ -297,6 +297,7 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
         # Without the detailed re-run the report stands on the survey (no op zoom, survey-level counts).
         final = session.optional("detail and op zoom", detail, survey)
         modules = capture_params(spec, named)
+        near = None  # analyze's own, on the detailed pass and parameters
     if window_deferred and window is None and origin is None and survey.backward_ran and survey.gradients_finite():
         hidden = [o for o in final.op_overflows if o.count != 0]
         if hidden:
@@ -332,7 +333,8 @@ def _diagnose(session: Session, used_scale: float, scale_source: str, options: D
         backward_note=backward_note(survey, spec.backward, spec.params),
     )
     cpu_policy = spec.policy == "native" and spec.device_type == "cpu"
-    findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy)
+    near = near if final is survey else None
+    findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy, near)
     if cpu_policy:
         findings = _check_policy_notes(session, findings, modules, final.scale)
     recommendations = recommend(findings, run_info, modules, options.margin_bits)

@@ -17,7 +17,7 @@ from ..records import (
     Verdict,
 )
 from ..thresholds import HEADROOM_WARN_BITS, UNDERFLOW_VERDICT_SHARE
-from .findings import Findings, Origin, ScaleFinding, ScaleWindow, UnderflowFinding
+from .findings import Findings, NearLimit, Origin, ScaleFinding, ScaleWindow, UnderflowFinding
 from .headroom import beyond_range_params, near_limit
 from .hidden import hidden_overflows
 from .origin import backward_origin, classify, forward_origin, not_captured, propagation
@@ -33,10 +33,12 @@ def analyze(
     window: Optional[ScaleWindow] = None,
     comparisons: Optional[Sequence[Comparison]] = None,
     cpu_policy: bool = False,
+    near: Optional[Sequence[NearLimit]] = None,
 ) -> Findings:
     """Findings of one (detailed) pass at the used scale, given the results of any re-runs.
 
     ``cpu_policy``: the passes ran under CPU autocast; an origin at an op CUDA runs in float32 then says so.
+    ``near``: ``near_limit(trace, modules, limits)`` when the caller has it already (one walk per diagnosis).
     """
     fwd = forward_origin(trace)
     verdict: Verdict
@@ -70,7 +72,8 @@ def analyze(
         # The only overflows are hidden: a finding, never healthy. It outranks underflow: its values are wrong
         # (an inf turned into 0 or 1 by a later op), and the gradients it zeroes look like underflow.
         verdict = "hidden_overflow"
-    near = near_limit(trace, modules, limits)
+    if near is None:
+        near = near_limit(trace, modules, limits)
     if window is not None and window.empty:
         warnings.append(
             f"no loss scale fits: {limits.dtype}'s range is too narrow for this model's gradients "

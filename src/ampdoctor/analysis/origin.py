@@ -99,8 +99,9 @@ def forward_creators(trace: PassTrace) -> list[ModuleCall]:
 
 
 def _bad_output_calls(trace: PassTrace) -> list[ModuleCall]:
-    """Calls with a non-finite floating output, in start order (none in a healthy pass: one look at each output)."""
-    return [c for c in trace.calls if any(_bad(r.stats) for r in c.outputs)]
+    """Calls with a non-finite floating output, in start order (none in a healthy pass: one look at each output,
+    once per trace)."""
+    return list(trace.bad_output_calls())
 
 
 def forward_origin(trace: PassTrace) -> Optional[Origin]:
@@ -331,5 +332,9 @@ def not_captured(trace: PassTrace) -> list[str]:
     if not trace.backward_ran:
         return []
     seen = {e.call for e in trace.grad_events if e.kind == "output"}
-    return [c.label for c in trace.calls if any(r.requires_grad for r in c.outputs) and c.index not in seen]
+    return [
+        c.label
+        for c in trace.calls
+        if c.index not in seen and any(r.requires_grad for r in c.outputs)  # the cheap test first: most are seen
+    ]
 

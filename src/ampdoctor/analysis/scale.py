@@ -20,21 +20,18 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
-import numpy as np
-
 from ..numbers import fmt_scale
 from ..records import FormatLimits, FrozenMap, ModuleInfo, PassTrace
-from ..thresholds import GRADIENT_KEY, HIST_LOW, SCALE_WINDOW_LOSS_SHARE
+from ..thresholds import SCALE_WINDOW_LOSS_SHARE
 from .findings import ScaleFinding, ScaleProbe, ScaleWindow, UnderflowFinding, WindowProbe
 from .origin import param_owners
+from .prediction import Histograms as Histograms
+from .prediction import LossPrediction as LossPrediction
 from .underflow import lost_gradients
 
 # Scales above 2**MAX_WINDOW_EXPONENT are never probed (fp16 spans 40 bits from subnormal to max).
 MAX_WINDOW_EXPONENT = 40
 FP32_REFERENCE = "float32 backward (autocast off)"
-# Binade histograms of gradients (layout: capture.stats.StatsCollector.add_histogram): by parameter name, and under
-# GRADIENT_KEY the sum of those of the gradients held in the low precision (the calls' output gradients).
-Histograms = Mapping[str, Sequence[float]]
 # A bottom predicted at scale 1 needs no re-run when its predicted loss is under this share of the window's 1 % and
 # the low-precision gradients together lose under CONFIDENT_GRADIENTS of their values there (a gradient that loses
 # more, such as a flushed loss gradient, loses values before any parameter histogram can see it; measured on a
@@ -115,23 +112,43 @@ def exponent_of(scale: float) -> Optional[int]:
 def low_precision_modules(trace: PassTrace, limits: FormatLimits) -> set[str]:
     """The modules with a call returning a tensor in the low precision: their parameter gradients are computed in it
     (a Linear under autocast: its weight gradient is the float16 result of a matmul, cast to float32 after)."""
-    return {c.module for c in trace.calls if any(r.stats.dtype == limits.dtype for r in c.outputs)}
+    low = limits.dtype
+    found: set[str] = set()
+    for c in trace.calls:
+        for r in c.outputs:
+            if r.stats.dtype == low:
+                found.add(c.module)
+                break
+    return found
 
 
-def predicted_top(trace: PassTrace, limits: FormatLimits, modules: Sequence[ModuleInfo] = ()) -> int:
+def predicted_top(
+    trace: PassTrace,
+    limits: FormatLimits,
+    modules: Sequence[ModuleInfo] = (),
+    owners: Optional[Mapping[str, str]] = None,
+    low_modules: Optional[set[str]] = None,
+) -> int:
     """The exponent of the largest power-of-two scale at which the largest recorded low-precision gradient of
     ``trace`` stays below the overflow threshold (exact: a power of two scales it exactly).
 
     Low-precision gradients are those held in the format, and the parameter gradients of modules that ran in it
     (a Linear under autocast: its weight gradient is the float16 result of a matmul, cast to float32 after).
+    ``owners`` (``param_owners(modules)``) and ``low_modules`` (``low_precision_modules``): when the caller has
+    them already.
     """
-    low_modules = low_precision_modules(trace, limits)
-    owners = param_owners(modules)
+    if low_modules is None:
+        low_modules = low_precision_modules(trace, limits)
+    if owners is None:
+        owners = param_owners(modules)
     largest = 0.0
+    dtype = limits.dtype
     for e in trace.grad_events:
-        low = e.stats.dtype == limits.dtype or (e.kind == "param" and owners.get(e.param or "") in low_modules)
-        if low and e.stats.abs_max:
-            largest = max(largest, e.stats.abs_max)
+        low = e.stats.dtype == dtype or (e.kind == "param" and owners.get(e.param or "") in low_modules)
+        if low:
+            abs_max = e.stats.abs_max
+            if abs_max and abs_max > largest:
+                largest = abs_max
     if largest == 0 or not math.isfinite(largest):
         return MAX_WINDOW_EXPONENT
     exponent = math.floor(math.log2(limits.overflow_threshold / largest))
@@ -229,78 +246,6 @@ def underflow_reference(
     if not references:
         return None
     return lost_gradients(survey, references, modules, _reference_name(runner, top))
-
-
-class LossPrediction:
-    """From binade histograms of a backward at ``2**at_exponent``: how many values each module would lose to zero
-    at another power-of-two scale (a value is lost once its whole binade lies at or below the flush threshold;
-    bin 0 holds everything below ``2**HIST_LOW``, the last bin everything from ``2**HIST_HIGH`` up)."""
-
-    def __init__(self, histograms: Histograms, at_exponent: int, flush_exponent: int, owners: Mapping[str, str]):
-        self.at = at_exponent
-        self.flush = flush_exponent
-        # One row of cumulative counts per owning module (and per low-precision gradient), as arrays: a model of
-        # thousands of modules would otherwise hold 130 Python floats per parameter and per module.
-        gradients = [hist for name, hist in histograms.items() if name.startswith(GRADIENT_KEY)]
-        self._gradients = _prefixes(gradients, list(range(len(gradients))), len(gradients))
-        index: dict[str, int] = {}
-        rows, groups = [], []
-        for name, hist in histograms.items():
-            if not name.startswith(GRADIENT_KEY):
-                rows.append(hist)
-                groups.append(index.setdefault(owners.get(name, name), len(index)))
-        self._index = index
-        self._prefix = _prefixes(rows, groups, len(index))
-        self._total_gradients = float(self._gradients[:, -1].sum())
-
-    def _column(self, exponent: int, width: int) -> int:
-        # Bin i holds binade k = HIST_LOW + i - 1; lost when k + 1 + (exponent - at) <= flush.
-        last = self.flush - (exponent - self.at) - HIST_LOW
-        return max(0, min(width - 1, last + 1))
-
-    def lost(self, exponent: int, module: Optional[str] = None) -> float:
-        column = self._column(exponent, self._prefix.shape[1])
-        if module is None:
-            return float(self._prefix[:, column].sum())
-        row = self._index.get(module)
-        return 0.0 if row is None else float(self._prefix[row, column])
-
-    def lowest_useful(self, counts: Mapping[str, int], top: int, share: float) -> dict[str, int]:
-        """Per module of ``counts`` (its nonzero gradient values, > 0): the smallest exponent ``e <= top`` such
-        that every scale ``2**k`` with ``e <= k < top`` is predicted to lose under ``share`` of them, walking
-        down from ``top`` (all modules at once: a model of thousands of modules asks for each)."""
-        names = list(counts)
-        if top <= 0 or not names:
-            return dict.fromkeys(names, max(top, 0))
-        width = self._prefix.shape[1]
-        columns = [self._column(k, width) for k in range(top - 1, -1, -1)]  # scales 2**(top-1) down to 1
-        lost = np.zeros((len(names), len(columns)))
-        known = [(i, self._index[m]) for i, m in enumerate(names) if m in self._index]
-        if known:
-            at, rows = zip(*known)
-            lost[list(at)] = self._prefix[np.ix_(list(rows), columns)]
-        total = np.asarray([counts[m] for m in names], dtype=np.float64)[:, None]
-        keeps = np.cumprod(lost / total < share, axis=1).sum(axis=1)  # scales kept in a row, from the top down
-        return {m: top - int(k) for m, k in zip(names, keeps)}
-
-    def gradient_share(self, exponent: int) -> float:
-        """The share of the low-precision gradients' nonzero values they would lose together (0 without any)."""
-        if not self._total_gradients:
-            return 0.0
-        column = self._column(exponent, self._gradients.shape[1])
-        return float(self._gradients[:, column].sum()) / self._total_gradients
-
-
-def _prefixes(rows: Sequence[Sequence[float]], groups: Sequence[int], count: int) -> np.ndarray:
-    """Cumulative counts (a leading 0) of the rows summed by group: one row per group."""
-    width = max((len(r) for r in rows), default=0)
-    summed = np.zeros((count, width), dtype=np.float64)
-    if rows and all(len(r) == width for r in rows):
-        np.add.at(summed, np.asarray(groups, dtype=np.int64), np.asarray(rows, dtype=np.float64))
-    else:
-        for group, row in zip(groups, rows):
-            summed[group, : len(row)] += np.asarray(row, dtype=np.float64)
-    return np.concatenate((np.zeros((count, 1)), np.cumsum(summed, axis=1)), axis=1)
 
 
 def measure_window(

@@ -85,6 +85,8 @@ class _Basis:
     t: int
     owners: Mapping[str, str]
     prediction: LossPrediction
+    low_modules: set[str]  # low_precision_modules(survey, limits)
+    grads: list[tuple[str, Optional[int], int]]  # per parameter gradient: name, zero count (None: not counted), numel
 
 
 def _basis(
@@ -94,11 +96,14 @@ def _basis(
     u = exponent_of(survey.scale)
     if u is None or not histograms or not survey.backward_ran or not survey.healthy():
         return None
-    t = predicted_top(survey, limits, modules)
+    owners = param_owners(modules)
+    low = low_precision_modules(survey, limits)
+    t = predicted_top(survey, limits, modules, owners, low)
     if t < u or t >= MAX_WINDOW_EXPONENT:
         return None
-    owners = param_owners(modules)
-    return _Basis(u, t, owners, LossPrediction(histograms, u, _flush_exponent(limits), owners))
+    prediction = LossPrediction(histograms, u, _flush_exponent(limits), owners)
+    grads = [(name, stats.zero_count, math.prod(stats.shape)) for name, stats in survey.param_grads().items()]
+    return _Basis(u, t, owners, prediction, low, grads)
 
 
 def underflow_evidence(
@@ -107,15 +112,15 @@ def underflow_evidence(
     """The evidence that a reference backward at a larger scale would find (almost) nothing lost at the survey's
     scale, or None when the survey does not show it (then the reference runs)."""
     u, t, owners, prediction = basis.u, basis.t, basis.owners, basis.prediction
-    low = low_precision_modules(survey, limits)
+    low = basis.low_modules
     nonzero = low_zeros = low_values = 0
-    for name, stats in survey.param_grads().items():
-        if stats.nonzero_count is None or stats.zero_count is None:
+    for name, zeros, numel in basis.grads:
+        if zeros is None:
             return None  # not counted: no bound
-        nonzero += stats.nonzero_count
+        nonzero += numel - zeros
         if owners.get(name) in low:
-            low_zeros += stats.zero_count
-            low_values += stats.numel
+            low_zeros += zeros
+            low_values += numel
     if nonzero == 0 or low_zeros > SKIP_SHARE * nonzero:
         return None
     margin = max(t - u, SKIP_MARGIN_BITS)
@@ -139,8 +144,8 @@ def predicted_window(
     if basis.u < 0:
         return None
     by_module: dict[str, int] = defaultdict(int)
-    for name, stats in survey.param_grads().items():
-        by_module[owners.get(name, name)] += stats.nonzero_count or 0
+    for name, zeros, numel in basis.grads:
+        by_module[owners.get(name, name)] += 0 if zeros is None else numel - zeros
     total = sum(by_module.values())
     if not total or prediction.lost(0) > SKIP_SHARE * total or prediction.gradient_share(0) >= CONFIDENT_GRADIENTS:
         return None

@@ -2,8 +2,52 @@
 
 from __future__ import annotations
 
-from ..records import GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats, survey_stats
+from typing import Any, Optional
+
+from ..records import GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats
 from .hooks import Recorder
+
+# Records are built by the ten thousand on a model of many small modules: set only the fields that differ from the
+# class's defaults (frozen dataclasses keep their defaults on the class), as ``records.survey_stats`` does. The
+# records equal, hash and serialise as if built by their constructors.
+_new = object.__new__
+_put = object.__setattr__
+
+
+def _record(path: str, stats: TensorStats, requires_grad: bool, ref: int) -> TensorRecord:
+    r = _new(TensorRecord)
+    _put(r, "path", path)
+    _put(r, "stats", stats)
+    if requires_grad:
+        _put(r, "requires_grad", requires_grad)
+    _put(r, "ref", ref)
+    return r
+
+
+def _input(
+    path: str, stats: TensorStats, requires_grad: bool, producer: Optional[int], ref: int, producer_path: str
+) -> TensorRecord:
+    r = _record(path, stats, requires_grad, ref)
+    if producer is not None:
+        _put(r, "producer", producer)
+    if producer_path:
+        _put(r, "producer_path", producer_path)
+    return r
+
+
+def _call(c: Any, stats: list[TensorStats]) -> ModuleCall:
+    call = _new(ModuleCall)
+    _put(call, "index", c.index)
+    _put(call, "module", c.module)
+    _put(call, "call", c.call)
+    _put(call, "class_name", c.class_name)
+    _put(call, "parent", c.parent)
+    _put(call, "end_order", c.end_order)
+    _put(call, "inputs", tuple([_input(p, stats[s], rg, prod, s, pp) for p, s, rg, prod, pp in c.inputs]))
+    _put(call, "outputs", tuple([_record(p, stats[s], rg, s) for p, s, rg in c.outputs]))
+    if not c.grad_enabled:
+        _put(call, "grad_enabled", False)
+    return call
 
 
 def build_trace(
@@ -16,24 +60,10 @@ def build_trace(
     loss_slot: int,
     backward_ran: bool,
 ) -> PassTrace:
-    calls = [
-        ModuleCall(
-            index=c.index,
-            module=c.module,
-            call=c.call,
-            class_name=c.class_name,
-            parent=c.parent,
-            end_order=c.end_order,
-            grad_enabled=c.grad_enabled,
-            inputs=tuple(TensorRecord(p, stats[s], rg, prod, s, prod_path) for p, s, rg, prod, prod_path in c.inputs),
-            outputs=tuple(TensorRecord(p, stats[s], rg, None, s) for p, s, rg in c.outputs),
-        )
-        for c in recorder.calls
-    ]
     return PassTrace(
         scale=scale,
         detailed=detailed,
-        calls=tuple(calls),
+        calls=tuple([_call(c, stats) for c in recorder.calls]),
         grad_events=grad_events(recorder, stats, scale),
         batch=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in batch_slots),
         output=tuple(TensorRecord(p, stats[s], rg) for p, s, rg in output_slots),
@@ -46,17 +76,36 @@ def build_trace(
 def grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> tuple[GradEvent, ...]:
     """The gradients of one backward, in execution order, unscaled (the same gradient seen twice divided once)."""
     unscaled: dict[int, TensorStats] = {}
-    events = []
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape (the report keeps them)
+    events: list[GradEvent] = []
+    append = events.append
     for g in sorted(recorder.grads):
         found = unscaled.get(g.slot)
         if found is None:
-            found = unscaled[g.slot] = _unscaled(stats[g.slot], scale)
-        events.append(GradEvent(g.order, g.kind, found, g.call, g.path, g.param, g.via_base))
+            seen = stats[g.slot]
+            lo, hi = seen.min, seen.max
+            if scale == 1.0 or seen.nan_count is not None or lo is None or hi is None:
+                found = seen.scaled_down(scale)
+            else:  # survey level: the same four fields divided (``scaled_down`` by the shortest path)
+                found = _new(TensorStats)
+                _put(found, "dtype", seen.dtype)
+                _put(found, "shape", shapes.setdefault(seen.shape, seen.shape))
+                _put(found, "min", lo / scale)
+                _put(found, "max", hi / scale)
+                if seen.zero_count is not None:
+                    _put(found, "zero_count", seen.zero_count)
+            unscaled[g.slot] = found
+        e = _new(GradEvent)
+        _put(e, "order", g.order)
+        _put(e, "kind", g.kind)
+        _put(e, "stats", found)
+        if g.call is not None:
+            _put(e, "call", g.call)
+        if g.path:
+            _put(e, "path", g.path)
+        if g.param is not None:
+            _put(e, "param", g.param)
+        if g.via_base:
+            _put(e, "via_base", g.via_base)
+        append(e)
     return tuple(events)
-
-
-def _unscaled(stats: TensorStats, scale: float) -> TensorStats:
-    """``stats.scaled_down(scale)``, built directly for survey-level statistics (a few per module call)."""
-    if stats.detailed or stats.min is None or stats.max is None or scale == 1.0:
-        return stats.scaled_down(scale)
-    return survey_stats(stats.dtype, stats.shape, stats.min / scale, stats.max / scale, stats.zero_count)

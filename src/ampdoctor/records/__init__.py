@@ -245,6 +245,15 @@ class PassTrace:
             object.__setattr__(self, "_gradients_finite", found)
         return found
 
+    def bad_output_calls(self) -> tuple[ModuleCall, ...]:
+        """Calls with a measured, non-finite output, in start order: none in a healthy pass (walked once per record,
+        kept beside the fields like :meth:`gradients_finite`; asked by the origin, the rows and the mechanisms)."""
+        found = self.__dict__.get("_bad_output_calls")
+        if found is None:
+            found = tuple(c for c in self.calls if any(r.stats.measured and not r.stats.is_finite for r in c.outputs))
+            object.__setattr__(self, "_bad_output_calls", found)
+        return found
+
     def forward_finite(self) -> bool:
         """The loss and the model's outputs are finite."""
         return self.loss is not None and self.loss.is_finite and all(r.stats.is_finite for r in self.output)
@@ -254,9 +263,11 @@ class PassTrace:
         if not self.forward_finite():
             return False
         found = self.__dict__.get("_outputs_healthy")
-        if found is None:
+        if found is None:  # NaN or +inf makes a record non-finite: only the bad-output calls can hold one
             found = not any(
-                r.stats.measured and (r.stats.has_nan or r.stats.has_posinf) for c in self.calls for r in c.outputs
+                r.stats.measured and (r.stats.has_nan or r.stats.has_posinf)
+                for c in self.bad_output_calls()
+                for r in c.outputs
             )
             object.__setattr__(self, "_outputs_healthy", found)
         return found

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 from .document import fmt_num
@@ -35,9 +35,14 @@ class Row:
     level: str
     foldable: str  # "" (always shown), "fine", "carried" (non-finite, passed on) or "skipped" (a training step)
     label: str
-    cells: str
+    # The cells' HTML, or what makes it: built only for rows shown (a table of ten thousand calls shows a few
+    # dozen; the others fold into summary rows).
+    cells: Union[str, Callable[[], str]]
     origin: bool = False
     bits: Optional[float] = None
+
+    def html(self) -> str:
+        return self.cells if isinstance(self.cells, str) else self.cells()
 
 
 def _bound(rows: Sequence[Row]) -> tuple[list[Row], int]:
@@ -109,7 +114,7 @@ def _fold(rows: Sequence[Row], columns: int, noun: str) -> str:
             continue
         for r in rows[i:j]:
             classes = f"ad-{r.level}" + (" ad-origin" if r.origin else "")
-            out.append(f'<tr class="{classes}">{r.cells}</tr>')
+            out.append(f'<tr class="{classes}">{r.html()}</tr>')
         i = j
     return "".join(out)
 
@@ -133,11 +138,16 @@ _FORWARD_HEAD = (
 
 
 def _forward_row(c: CallRow) -> Row:
-    top = c.worst
-    stats = top.stats if top is not None else None
-    in_text = fmt_num(c.inputs_abs_max) if c.inputs_abs_max is not None else ("-" if not c.inputs_measured else "")
-    if c.nonfinite_input:
-        in_text += " + inf/NaN"
+    note = _forward_note(c)
+    foldable = ""
+    if not note:
+        foldable = {"fine": "fine", "none": "fine", "nonfinite": "carried"}.get(c.level, "")
+    elif note == "carries it":
+        foldable = "carried"
+    return Row(c.level, foldable, c.label, lambda: _forward_cells(c), c.role == "origin", c.headroom_bits)
+
+
+def _forward_note(c: CallRow) -> str:
     note = {
         "unfinished": "did not complete",
         "origin": "◀ origin",
@@ -149,10 +159,20 @@ def _forward_row(c: CallRow) -> Row:
         note = (note + "; " if note else "") + "mask input"
     if c.op_peak is not None:
         note = (note + "; " if note else "") + f"op inside: {op_peak_text(c)}"
+    return note
+
+
+def _forward_cells(c: CallRow) -> str:
+    top = c.worst
+    stats = top.stats if top is not None else None
+    in_text = fmt_num(c.inputs_abs_max) if c.inputs_abs_max is not None else ("-" if not c.inputs_measured else "")
+    if c.nonfinite_input:
+        in_text += " + inf/NaN"
+    note = _forward_note(c)
     more = len([r for r in c.outputs if r.stats.measured]) - 1
     out_name = (top.tensor if top is not None else "-") + (f" (+{more})" if more > 0 else "")
     order = str(c.call.end_order) if c.call.end_order >= 0 else "-"
-    cells = "".join(
+    return "".join(
         (
             _td(order, True),
             _td(_code(c.label), raw=True, attrs=f' style="padding-left:{0.5 + 0.8 * c.depth:.1f}em"'),
@@ -168,12 +188,6 @@ def _forward_row(c: CallRow) -> Row:
             _td(note),
         )
     )
-    foldable = ""
-    if not note:
-        foldable = {"fine": "fine", "none": "fine", "nonfinite": "carried"}.get(c.level, "")
-    elif note == "carries it":
-        foldable = "carried"
-    return Row(c.level, foldable, c.label, cells, c.role == "origin", c.headroom_bits)
 
 
 def forward_rows(report: ReportData) -> list[Row]:
@@ -199,12 +213,17 @@ _KIND = {"output": "∂ output", "input": "∂ input", "param": "∂ param"}
 
 
 def _backward_row(r: TensorRow) -> Row:
+    foldable = "" if r.origin else {"nonfinite": "carried", "fine": "fine", "none": "fine"}.get(r.level, "")
+    return Row(r.level, foldable, r.label or r.param or "?", lambda: _backward_cells(r), r.origin, r.headroom_bits)
+
+
+def _backward_cells(r: TensorRow) -> str:
     note = "◀ origin" if r.origin else ("carries it" if r.level == "nonfinite" else "")
     if r.via_base:
         note = (note + "; " if note else "") + "via view base"
     s = r.stats
     kind = r.kind.removeprefix("grad_")
-    cells = "".join(
+    return "".join(
         (
             _td(str(r.grad_order), True),
             _td(_KIND.get(kind, kind)),
@@ -220,8 +239,6 @@ def _backward_row(r: TensorRow) -> Row:
             _td(note),
         )
     )
-    foldable = "" if r.origin else {"nonfinite": "carried", "fine": "fine", "none": "fine"}.get(r.level, "")
-    return Row(r.level, foldable, r.label or r.param or "?", cells, r.origin, r.headroom_bits)
 
 
 def backward_rows(report: ReportData) -> list[Row]:

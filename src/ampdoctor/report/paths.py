@@ -10,7 +10,19 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
-from ..records import SourceLocation
+from ..records import (
+    Comparison,
+    FormatLimits,
+    GradEvent,
+    ModuleCall,
+    ModuleInfo,
+    OpPeak,
+    ParamRecord,
+    PassRecord,
+    SourceLocation,
+    TensorRecord,
+    TensorStats,
+)
 
 _PACKAGE_DIRS = ("site-packages", "dist-packages")  # where installed libraries live
 _OWN_PACKAGE = Path(__file__).resolve().parents[1]  # ampdoctor itself (its demo model is model code)
@@ -59,9 +71,18 @@ def with_shown_paths(obj: T, cwd: Optional[str] = None) -> T:
     return _rewrite(obj, text)  # type: ignore[no-any-return]
 
 
+# Records that hold no SourceLocation at any depth (their fields are names, numbers, statistics and each other;
+# tests/test_cost_analysis.py checks it from their type hints): the walk for files does not visit them, so a report
+# of ten thousand module calls is not walked record by record (four seconds per rendering).
+_NO_LOCATION = (TensorStats, TensorRecord, ParamRecord, ModuleInfo, ModuleCall, GradEvent, FormatLimits, OpPeak,
+                Comparison, PassRecord)
+
+
 def _walk(obj: Any, files: set[str]) -> None:
     if isinstance(obj, SourceLocation):
         files.add(obj.file)
+    elif isinstance(obj, _NO_LOCATION):
+        return
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             _walk(getattr(obj, field.name), files)

@@ -50,7 +50,11 @@ def tensor_level(stats: TensorStats, limits: FormatLimits, scale: float = 1.0) -
     """Colour band: non-finite, under 1 bit, under 4 bits of headroom, fine, or not measured."""
     if not stats.measured:
         return "none"
-    bits = tensor_headroom(stats, limits, scale)
+    return _level(tensor_headroom(stats, limits, scale))
+
+
+def _level(bits: Optional[float]) -> Level:
+    """The band of a measured tensor with ``bits`` of headroom (``tensor_headroom``)."""
     if bits is None:
         return "fine"
     if bits == -math.inf:
@@ -152,11 +156,12 @@ def worst(rows: Sequence[TensorRow]) -> Optional[TensorRow]:
 
 
 def _tensor_row(stats: TensorStats, limits: FormatLimits, scale: float, fields: dict[str, Any]) -> TensorRow:
+    bits = tensor_headroom(stats, limits, scale)  # once: the level is its band
     return TensorRow(
         stats=stats,
         scale=scale,
-        level=tensor_level(stats, limits, scale),
-        headroom_bits=tensor_headroom(stats, limits, scale),
+        level=_level(bits) if stats.measured else "none",
+        headroom_bits=bits,
         **fields,
     )
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .forwards import HookTap
 from .readback import Decoded, Extra, Pair
 
 # Columns of a module's row in a buffer (one buffer for outputs, one for output gradients, so the forward and
@@ -93,8 +94,10 @@ class RootTap:
             root._compiled_call_impl = call
             return
         host = host if host is not None else root
-        self.handles.append(host.register_forward_pre_hook(lambda m, a, k: pre(root, a, k), with_kwargs=True))
-        self.handles.append(host.register_forward_hook(lambda m, a, k, o: post(root, a, k, o), with_kwargs=True))
+        # hooks a copy of the model made while watched does not inherit (it would record into this watch)
+        self.handles.append(HookTap(
+            host, pre=lambda m, a, k: pre(root, a, k), post=lambda m, a, k, o: post(root, a, k, o), with_kwargs=True,
+        ))
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -5,10 +5,14 @@
   reused step after step, so a step with statistics on every module allocates no tensor per module and the
   read-back is one ``cat`` of a few buffers (not a ``stack`` of hundreds of 0-d tensors). A step's collector
   claims the slabs at its first pair; a step that was never read is simply overwritten.
-* **Gradient hooks** on a module output that is not a view hang on its autograd node
-  (``grad_fn.register_prehook``, the same gradient as a tensor hook: the sum over every use, and the value as it
-  was when an in-place op changes the tensor later) at a quarter of a tensor hook's cost. Views (a hook on a view
-  never fires once the view is modified in place) and leaves keep :func:`~ampdoctor.capture.hooks.register_grad_hook`.
+* **Gradient hooks** on a module output that is not a view and has no hook yet go into the tensor's own hook dict,
+  the one ``Tensor.register_hook`` makes (``t._backward_hooks = OrderedDict({OWN_KEY: receive})`` and
+  ``grad_fn._register_hook_dict(t)``, both in C: no Python frame, no handle), a tenth of a
+  ``register_prehook``'s cost; it is the tensor hook ``register_hook`` would add (the sum over every use, and the
+  value as it was when an in-place op changes the tensor later). The step's dicts lose our key when it closes (a
+  hook the user added to the same dict meanwhile stays). Other outputs hang on their autograd node
+  (``grad_fn.register_prehook``, the same gradient); views (a hook on a view never fires once the view is
+  modified in place) and leaves keep :func:`~ampdoctor.capture.hooks.register_grad_hook`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from ..capture.hooks import register_grad_hook
 
 # Rows added to a slab at a time (a slab grows during the first steps, then stays).
 CHUNK_ROWS = 256
+# The key of the watch's hook in a tensor's own hook dict (RemovableHandle ids count up from 0: never this one).
+OWN_KEY = -1
 
 
 class _Slab:
@@ -137,9 +143,12 @@ _PLAIN_HANDLES = _plain_handles()
 
 def remove_handles(handles: list[Any]) -> None:
     """``handle.remove()`` for each of a step's gradient-hook handles (hundreds with statistics every step): a
-    node hook's plain handle is removed inline (what ``RemovableHandle.remove`` does, without the call)."""
+    node hook's plain handle is removed inline (what ``RemovableHandle.remove`` does, without the call); a tensor's
+    own hook dict (see the module docstring) loses our key."""
     for handle in handles:
-        if _PLAIN_HANDLES and type(handle) is RemovableHandle and not handle.extra_dict_ref:
+        if type(handle) is OrderedDict:
+            handle.pop(OWN_KEY, None)
+        elif _PLAIN_HANDLES and type(handle) is RemovableHandle and not handle.extra_dict_ref:
             hooks = handle.hooks_dict_ref()
             if hooks is not None:
                 hooks.pop(handle.id, None)

@@ -4,10 +4,11 @@
   outputs' min/max, and the gradient the loss sends into each output (kept until the step ends, up to a size
   cap, for a capture to replay the step's own backward). A compiled root is tapped outside its graph
   (:class:`~.compiled.RootTap`).
-* **Modules** (sampled steps): forward hooks on every module and gradient hooks on what they return (on a view's
-  base, never a module-level backward hook), installed only for those steps. A compiled model gets
+* **Modules** (sampled steps): every module's outputs, by an instance ``forward`` wrapper that keeps torch's fast
+  call path (:mod:`.forwards`; a forward hook where a wrapper cannot go), and gradient hooks on what they return
+  (on a view's base, never a module-level backward hook), installed only for those steps. A compiled model gets
   :class:`~.compiled.CompiledStats` instead: hooks registered once, gated by a flag.
-* **Tracked modules** (unsampled steps): forward hooks on the few tightest modules only (the forecast's
+* **Tracked modules** (unsampled steps): the same on the few tightest modules only (the forecast's
   watchlist, :mod:`.lookout`), so their headroom trend is seen every step at the cost of a few reductions.
 * **Never ampdoctor's own passes** (:mod:`.quiet`): a forward of a capture or of a user's ``diagnose`` is not a
   training forward; neither is an evaluation forward (no grad).
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Any, Optional, Protocol
 
@@ -26,7 +28,8 @@ from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
 from ..capture.walk import iter_tensors
 from .compiled import CompiledStats, RootTap, is_compiled
-from .fastpath import hang_grad_hook
+from .fastpath import OWN_KEY, hang_grad_hook
+from .forwards import ForwardTap, HookTap, Tap, has_forward_hooks, wrappers_fit
 from .optrack import OpTracker
 from .quiet import diagnosing, recomputing
 from .readback import MicroBatch, PairKey, StepState, loss_value
@@ -66,7 +69,8 @@ class WatchHooks:
     def __init__(self, watch: WatchedRun) -> None:
         self.w = watch
         self.root_tap: Optional[RootTap] = None
-        self.module_handles: list[Any] = []
+        self.module_handles: list[Tap] = []
+        self.wrappers = False  # eager: modules measured by forward wrappers (torch's fast path), not hooks
         self.compiled: Optional[CompiledStats] = None
         self.open = False  # a watched root forward is running
         self.grads_on = False  # this step is sampled: gradient hooks on module outputs
@@ -74,7 +78,7 @@ class WatchHooks:
         self.probes: list[Any] = []  # one-shot hooks that look for autocast inside the first forward
         self.probed = False
         self.tracked: list[str] = []  # modules hooked on unsampled steps (the forecast's watchlist)
-        self.tracked_handles: list[Any] = []
+        self.tracked_handles: list[Tap] = []
         self.count_underflow = False  # sampled steps: count small gradient values too (a sink wants the share)
         self._receivers: dict[tuple[str, bool], _GradReceiver] = {}
         self._probes: dict[int, _ModuleProbe] = {}  # per module: its forward hook, made once (no closure per step)
@@ -88,6 +92,7 @@ class WatchHooks:
         self.root_tap = RootTap(w.model, w.root, self.root_pre, self.root_post)
         if is_compiled(w.model, w.root):
             self.compiled = CompiledStats(w.root, w.names)
+        self.wrappers = self.compiled is None and wrappers_fit(w.model, w.root)
 
     @uninterrupted
     def sample(self, on: bool, outputs: bool = False) -> None:
@@ -105,16 +110,13 @@ class WatchHooks:
             self.remove_tracked()
             for module in self.w.root.modules():
                 if module is not self.w.root:
-                    self.module_handles.append(module.register_forward_hook(self.probe(module)))
+                    self.module_handles.append(self.tap(module))
         elif not on:
             if self.module_handles:
                 self.remove_modules()
             if self.tracked and not self.tracked_handles:
                 modules = dict(self.w.root.named_modules())
-                self.tracked_handles = [
-                    modules[name].register_forward_hook(self.probe(modules[name]))
-                    for name in self.tracked if name in modules
-                ]
+                self.tracked_handles = [self.tap(modules[name]) for name in self.tracked if name in modules]
 
     def looked(self, tracked: Optional[list[str]], seen: dict[str, float], captures: list[Capture]) -> None:
         """After a step's forecast: the tracked modules (``tracked``: a new list, or None) and the followed ops (from
@@ -260,6 +262,14 @@ class WatchHooks:
         cur.tensor_handles.append(register_grad_hook(t, receive)[0])
 
     # -- modules (eager, sampled steps) ---------------------------------------------------------------------
+    def tap(self, module: nn.Module) -> Tap:
+        """Measure ``module``'s outputs from now on: by a forward wrapper (torch's fast call path kept), or by a
+        forward hook after the module's own hooks (see :mod:`.forwards`)."""
+        probe = self.probe(module)
+        if self.wrappers and not has_forward_hooks(module):
+            return ForwardTap(module, probe.measure)
+        return HookTap(module, post=probe)
+
     def probe(self, module: nn.Module) -> _ModuleProbe:
         """The forward hook of ``module`` (one per module, kept for the watch's life)."""
         probe = self._probes.get(id(module))
@@ -284,9 +294,10 @@ class WatchHooks:
 
 
 class _ModuleProbe:
-    """The forward hook of one module: its floating outputs' (lo, hi) into the current step, and gradient hooks
-    on them on sampled steps. Made once per module, with its pair keys and gradient receivers: a call allocates
-    nothing but a 1-tuple, Python ints and the gradient hook's handle."""
+    """What measures one module's outputs (called by its forward wrapper, or as its forward hook): its floating
+    outputs' (lo, hi) into the current step, and gradient hooks on them on sampled steps. Made once per module,
+    with its pair keys and gradient receivers: a call allocates nothing but Python ints and the gradient hook's
+    handle."""
 
     __slots__ = ("hooks", "w", "name", "keys", "receivers")
 
@@ -296,10 +307,16 @@ class _ModuleProbe:
         self.receivers: list[Optional[_GradReceiver]] = [None, None]  # by low dtype, made when first needed
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        """As a forward hook."""
+        self.measure(output)
+
+    def measure(self, output: Any) -> None:
         hooks = self.hooks
         # a watched root forward; else a training forward that calls the module directly, or a checkpoint
         # recomputing its region in the training backward; never an evaluation forward or ampdoctor's own pass
         if not hooks.open:
+            if not self.w.active:
+                return  # a wrapper someone wrapped in their own forward outlives the watch: it measures nothing
             if recomputing():
                 if diagnosing():
                     return
@@ -330,11 +347,16 @@ class _ModuleProbe:
                 node = t.grad_fn
                 if node is not None:
                     receive = self.receivers[low] or self._receiver(low)
-                    # hang_grad_hook's common case, inline: a node's first output, no view. The handle goes
-                    # straight into the step's list (a Ctrl-C in between leaves a hook on this step's graph only,
-                    # which dies with it)
-                    if t._base is None and t.output_nr == 0:
-                        cur.tensor_handles.append(node.register_prehook(receive.node0))
+                    # the common case, inline: no view, no hook yet: our hook in the tensor's own hook dict, in C
+                    # (fastpath's docstring). The dict goes straight into the step's list (a Ctrl-C in between
+                    # leaves a hook on this step's graph only, which dies with it)
+                    if t._base is None and t._backward_hooks is None:
+                        # an OrderedDict, as register_hook makes (its handles keep a weakref to it)
+                        hooks_of_t: OrderedDict[int, Any] = OrderedDict()
+                        hooks_of_t[OWN_KEY] = receive
+                        t._backward_hooks = hooks_of_t  # type: ignore[assignment]
+                        node._register_hook_dict(t)
+                        cur.tensor_handles.append(hooks_of_t)
                     else:
                         _hang(cur.tensor_handles, t, receive)
                 elif t.requires_grad:  # a leaf that asks for a gradient (a module handing back its input)
@@ -365,14 +387,16 @@ class _GradReceiver:
         self.node0 = self.first  # the node pre-hook of a node's first output, made once
 
     def first(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
-        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does, and
-        :meth:`__call__`, in one call: this runs for every module output in every sampled backward)."""
+        """As a node pre-hook: the gradient of the node's first output (what :class:`NodeHook` does)."""
         g = grads[0] if grads else None
-        if g is None:
-            return
+        if g is not None:
+            self(g)
+
+    def __call__(self, g: torch.Tensor) -> None:
+        """As a tensor hook (this runs for every module output in every sampled backward)."""
         try:
             if g.numel():
-                if torch.is_grad_enabled():  # a double backward (create_graph=True): the value, off the graph
+                if g.requires_grad:  # a double backward (create_graph=True): the value, off the graph
                     g = g.detach()
                 collector = self.w.cur.collector
                 collector.put(self.key, g)
@@ -380,6 +404,3 @@ class _GradReceiver:
                     collector.underflow(g)
         except Exception as exc:
             self.w.fail(exc)
-
-    def __call__(self, g: torch.Tensor) -> None:
-        self.first((g,))
