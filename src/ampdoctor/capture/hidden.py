@@ -56,7 +56,9 @@ from .hidden_ops import (
     oversized_fill,
     resolved,
 )
-from .stats import INTERNAL, format_limits, measuring
+from .internal import INTERNAL, _internal
+from .state import written_tensor
+from .stats import format_limits
 from .zoom import innermost_user_line
 
 __all__ = ["MAX_CONSUMERS", "HiddenWatch", "Paused", "counted_op", "op_info", "targets_of", "watching"]
@@ -107,10 +109,14 @@ class Paused:
         top = depth > 0 and torch._C._get_function_stack_at(depth - 1) is self.watch
         if top:
             torch._C._pop_torch_function_stack()
+            if self.watch.writes is not None:  # the watch also guarded writes: the guard alone stays meanwhile
+                torch._C._push_on_torch_function_stack(self.watch.writes)
         self._popped.append(top)
 
     def __exit__(self, *exc: object) -> None:
         if self._popped.pop():
+            if self.watch.writes is not None:
+                torch._C._pop_torch_function_stack()
             torch._C._push_on_torch_function_stack(self.watch)
 
 
@@ -134,9 +140,28 @@ class HiddenWatch(TorchFunctionMode):
         self._queued: list[tuple[int, list[int]]] = []  # (collector vector, positions in values)
         self._from_slots: list[tuple[int, int]] = []  # (position in values, collector slot of a staged tensor)
         self.paused = Paused(self)
+        # The pass's copy-on-write of parameters (capture.state.StateGuard), when the watch runs it too: one Python
+        # mode per op instead of two (see guarding); ``writes`` is its own mode, put in the watch's place while
+        # the watch is paused.
+        self.guard: Any = None
+        self.writes: Optional[TorchFunctionMode] = None
+
+    def guarding(self, guard: Any) -> None:
+        """Run ``guard.check_write`` (a StateGuard's copy-on-write of parameters) before every op the watch sees,
+        in place of the guard's own mode; while the watch is paused, the guard's own mode stands in for it."""
+        self.guard = guard
+        self.writes = guard.guard_writes()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
+        # The hot path: every op of the forward passes here (ten thousand on a model of ten thousand modules), so
+        # the guard's check, INTERNAL and the single-output case are written out inline.
+        if kwargs is None:
+            kwargs = {}
+        guard = self.guard
+        if guard is not None:
+            target = written_tensor(func, args, kwargs)
+            if target is not None:
+                guard.before_write(target)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             outs: Sequence[Any] = (out,)
@@ -146,35 +171,49 @@ class HiddenWatch(TorchFunctionMode):
             outs = (args[0],)  # ``x[mask] = -inf`` writes into x
         else:
             return out
-        if measuring():
+        depth = getattr(_internal, "depth", 0)
+        if depth:  # ampdoctor's own work (capture.stats.measuring)
             return out
+        _internal.depth = 1  # INTERNAL, inline
         try:
-            with INTERNAL, _DisableTorchFunction():  # its own reads pass no mode below it (the write guard)
+            with _DisableTorchFunction():  # its own reads pass no mode below it (the write guard)
                 self._see(func, args, kwargs, outs)
         except Exception as exc:  # never break the user's forward; the pass reports it
             if self.error is None:
                 self.error = f"{op_info(func)[1]}: {type(exc).__name__}: {exc}"
+        finally:
+            _internal.depth = 0
         return out
 
     # -- the hot path ---------------------------------------------------------------------------------------
     def _see(self, func: Any, args: Any, kwargs: Any, outs: Sequence[Any]) -> None:
         name, called, category, inplace = op_info(func)
-        tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not tensors:
-            return
+        if len(outs) == 1:  # the common case, without a comprehension
+            first = outs[0]
+            if not isinstance(first, torch.Tensor) or not first.is_floating_point():
+                return
+            tensors = [first]
+        else:
+            tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if not tensors:
+                return
         if category == SKIP:  # memory not written yet: no values of anyone's (whatever stale bytes it holds)
             for t in tensors:
                 self._remember(t, ())
             return
         sources: list[int] = []
         if name not in SHAPE_ONLY_OPS:
-            for a in args:
-                self._collect(a, sources)
-            for a in kwargs.values():
-                self._collect(a, sources)
-        inputs = tuple(dict.fromkeys(sources))
-        category = resolved(category, tensors, args)
-        if category == SELECT and name in FILL_SELECTS and oversized_fill(tensors[0].dtype, args, kwargs):
+            where = self._where
+            for a in (*args, *kwargs.values()) if kwargs else args:
+                if isinstance(a, torch.Tensor):
+                    found = where.get(id(a))
+                    sources += found[1] if found is not None and found[0]() is a else self._source(a)
+                elif isinstance(a, (list, tuple)):
+                    self._collect(a, sources)
+        inputs = tuple(sources) if len(sources) < 2 else tuple(dict.fromkeys(sources))
+        if category == CAST:
+            category = resolved(category, tensors, args)
+        elif category == SELECT and name in FILL_SELECTS and oversized_fill(tensors[0].dtype, args, kwargs):
             category = MAKE  # ``where(mask, x, -1e9)`` in float16: the constant is the overflow, not a sentinel
         if category == VIEW:
             for t in tensors:
@@ -183,13 +222,15 @@ class HiddenWatch(TorchFunctionMode):
         stack = self.recorder.stack
         call = stack[-1] if stack else None
         key = (call, name)
-        occurrence = self._occurrences.get(key, 0)
-        self._occurrences[key] = occurrence + 1
-        node_id = len(self.nodes)
+        occurrences = self._occurrences
+        occurrence = occurrences.get(key, 0)
+        occurrences[key] = occurrence + 1
+        nodes = self.nodes
+        node_id = len(nodes)
         node = _Node(call, name, called, occurrence, category, inputs)
-        self.nodes.append(node)
+        nodes.append(node)
         for i in inputs:
-            consumers = self.nodes[i].consumers
+            consumers = nodes[i].consumers
             if len(consumers) < MAX_CONSUMERS:
                 consumers.append(node_id)
         low = [t for t in tensors if t.dtype in LOW_DTYPES and t.numel()]
@@ -199,12 +240,17 @@ class HiddenWatch(TorchFunctionMode):
                 self._measure_unmasked(node, low[0], args, inplace)
             if self.targets and category != SELECT and self._key(node) in self.targets:
                 self._classify(node, low[0], args, kwargs, inplace)
-        elif tensors[0].numel() and any(self.nodes[i].dtype in LOW_NAMES for i in inputs):
+        elif tensors[0].numel() and any(nodes[i].dtype in LOW_NAMES for i in inputs):
             # A wider result of low-precision values (softmax under CUDA autocast): measured too, so that what
             # hid a value is known; it never counts as making one (that is float32's business).
             self._measure(node, tensors[:1])
+        made = (node_id,)
+        where = self._where
         for t in tensors:
-            self._remember(t, (node_id,))
+            try:
+                where[id(t)] = (weakref.ref(t), made)
+            except TypeError:
+                pass
             if (inplace or name == "setitem") and t._base is not None:
                 # Written through a view (``h[:, :4].mul_(s)``): the base holds these values now too.
                 self._remember(t._base, tuple(dict.fromkeys((*self._source(t._base), node_id))))
@@ -234,16 +280,18 @@ class HiddenWatch(TorchFunctionMode):
     def _measure(self, node: _Node, tensors: list[torch.Tensor]) -> None:
         node.first = self._count
         node.outputs = len(tensors)
-        node.dtype = DTYPE_NAMES.get(tensors[0].dtype) or str(tensors[0].dtype).replace("torch.", "")
+        dtype = tensors[0].dtype
+        node.dtype = DTYPE_NAMES.get(dtype) or str(dtype).replace("torch.", "")
         node.numel = tensors[0].numel()
         shared = self.recorder.collector.add_if_staged
+        values = self.values
         for t in tensors:
             # A small tensor is staged by the pass's collector, which its module's hook then finds measured already
             # (same tensor, same version: a leaf module's one op makes its output): one copy for both, its min and
             # max read from the pass's records. Otherwise one fused reduction; inf, -inf and NaN show in either.
             slot = shared(t)
-            self.values.append(slot if slot >= 0 else torch.aminmax(t.detach()))
-            self._count += 2
+            values.append(slot if slot >= 0 else torch.aminmax(t.detach()))
+        self._count += 2 * len(tensors)
 
     def _measure_unmasked(self, node: _Node, out: torch.Tensor, args: Any, inplace: bool) -> None:
         """Arithmetic with an operand that may be an intentional mask (``scores + mask``, the mask a fill or an

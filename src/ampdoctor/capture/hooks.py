@@ -10,16 +10,20 @@ import contextlib
 import functools
 import itertools
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from collections import OrderedDict
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..records import GradKind
 from .cleanup import uninterrupted
+from .internal import _internal
 from .reference import FloatReference
 from .state import RngState
-from .stats import INTERNAL, StatsCollector
+from .stats import StatsCollector
+from .tensor_hooks import hang_tensor_hook, register_grad_hook
 from .walk import iter_tensors
 from .zoom import OpZoom
 
@@ -72,32 +76,6 @@ STASH_EACH = 1 << 16
 _ARG_PATHS = tuple(f"args[{i}]" for i in range(16))
 
 
-def register_grad_hook(t: torch.Tensor, receive: Callable[[torch.Tensor], None]) -> tuple[Any, bool]:
-    """Hang a gradient hook on ``t`` that calls ``receive(gradient of t)``; returns (handle, hung on the base).
-
-    A hook on a view never fires once a later op modifies the view in place (``ReLU(inplace=True)`` after a
-    ``Linear`` on 3-D input); one on the view's base does, with the base's gradient, which is mapped back onto
-    the view when the view covers only part of the base. The closure holds plain values only: it lives on the
-    autograd graph and must not keep activations alive. ``receive`` must return None (a hook's return value
-    replaces the gradient).
-    """
-    base = t._base
-    if base is None or not base.requires_grad:
-        return t.register_hook(receive), False
-    target, view = base, None
-    if base.numel() != t.numel():
-        view = (tuple(t.size()), tuple(t.stride()), t.storage_offset() - base.storage_offset())
-    target_shape = target.shape
-
-    def hook(grad: torch.Tensor) -> None:
-        g = grad
-        if view is not None and grad.is_contiguous() and grad.shape == target_shape:
-            g = grad.as_strided(view[0], view[1], grad.storage_offset() + view[2])
-        receive(g)
-
-    return target.register_hook(hook), True
-
-
 class Recorder:
     """Installs forward hooks on every module and gradient hooks on what they return; records plain numbers.
 
@@ -136,7 +114,10 @@ class Recorder:
         self._grad_order = itertools.count()
         self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
         self._handles: list[Any] = []
+        self._hung: list[tuple[Any, int]] = []  # tensor hooks hung by hang_tensor_hook: (their dict, their id)
         self._module_handles: list[Any] = []
+        self._hooked: list[nn.Module] = []  # modules holding the pass's forward hooks under ``_hook_ids``
+        self._hook_ids = (-1, -1)
         self._recompute: list[int] = []  # original call index of each re-run in progress (-1 unmatched, -2 ignored)
         self._matched: set[int] = set()
         self.uncaptured: list[str] = []  # re-run calls that could not be matched to their original call
@@ -149,13 +130,35 @@ class Recorder:
     @uninterrupted
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
         pre, post = self._pre, self._post  # one bound method each for every module
+        # What ``register_forward_pre_hook(pre, with_kwargs=True)`` and ``register_forward_hook(post,
+        # with_kwargs=True)`` do, without a handle object per module (two on each of ten thousand modules): one hook
+        # id per kind for the whole pass, reserved from torch's own counter, and the same dict entries torch makes;
+        # drop_forward_hooks takes them out again. A module class with its own registration is asked as usual.
+        pre_id, post_id = RemovableHandle(OrderedDict()).id, RemovableHandle(OrderedDict()).id
+        self._hook_ids = (pre_id, post_id)
+        hooked = self._hooked
         for module in self.modules:
-            self._module_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            self._module_handles.append(module.register_forward_hook(post, with_kwargs=True))
+            if type(module).register_forward_pre_hook is not _REGISTER_PRE or type(
+                module
+            ).register_forward_hook is not _REGISTER_POST:
+                self._module_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                self._module_handles.append(module.register_forward_hook(post, with_kwargs=True))
+                continue
+            hooked.append(module)  # first: an interrupted install is still undone by drop_forward_hooks
+            module._forward_pre_hooks[pre_id] = pre
+            module._forward_pre_hooks_with_kwargs[pre_id] = True
+            module._forward_hooks[post_id] = post
+            module._forward_hooks_with_kwargs[post_id] = True
         if self.record_grads:
+            hung = self._hung
             for name, param in params:
                 if param.requires_grad:
-                    self._handles.append(param.register_hook(functools.partial(self._param_grad, name)))
+                    hook = functools.partial(self._param_grad, name)
+                    entry = hang_tensor_hook(param, hook)
+                    if entry is None:
+                        self._handles.append(param.register_hook(hook))
+                    else:
+                        hung.append(entry)
 
     @uninterrupted
     def remove(self) -> None:
@@ -164,6 +167,9 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for hooks, hook_id in self._hung:
+            hooks.pop(hook_id, None)
+        self._hung.clear()
         self._stash.clear()
         self.close_zoom()
 
@@ -175,6 +181,13 @@ class Recorder:
         for handle in self._module_handles:
             handle.remove()
         self._module_handles.clear()
+        pre_id, post_id = self._hook_ids
+        for module in self._hooked:
+            module._forward_pre_hooks.pop(pre_id, None)
+            module._forward_pre_hooks_with_kwargs.pop(pre_id, None)
+            module._forward_hooks.pop(post_id, None)
+            module._forward_hooks_with_kwargs.pop(post_id, None)
+        self._hooked.clear()
         self._producers.clear()
 
     @uninterrupted
@@ -235,12 +248,23 @@ class Recorder:
         # sees them (the hidden-overflow watch, the copy-on-write guard: a few ops per tensor, each a trip through
         # Python otherwise). A float32 reference re-runs the model's own code in the hook: under the guard, so
         # only the watch steps aside then.
-        with INTERNAL, (self.paused if self.reference is not None else _DisableTorchFunction()):
-            self._enter(module, args, kwargs)
+        # (INTERNAL written out inline: these run twice per module call.)
+        depth = getattr(_internal, "depth", 0)
+        _internal.depth = depth + 1
+        try:
+            with self.paused if self.reference is not None else _DisableTorchFunction():
+                self._enter(module, args, kwargs)
+        finally:
+            _internal.depth = depth
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        with INTERNAL, (self.paused if self.reference is not None else _DisableTorchFunction()):
-            self._exit(module, args, kwargs, output)
+        depth = getattr(_internal, "depth", 0)
+        _internal.depth = depth + 1
+        try:
+            with self.paused if self.reference is not None else _DisableTorchFunction():
+                self._exit(module, args, kwargs, output)
+        finally:
+            _internal.depth = depth
 
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.reference is not None and self.reference.busy:
@@ -254,18 +278,26 @@ class Recorder:
             return
         try:
             name = self.names.get(id(module), "?")
-            number = self.counts.get(name, 0)
-            self.counts[name] = number + 1
+            counts = self.counts
+            number = counts.get(name, 0)
+            counts[name] = number + 1
             index = len(self.calls)
             inputs: list[tuple[str, int, bool, Optional[int], str]] = []
-            if not kwargs and len(args) <= len(_ARG_PATHS) and all(type(a) is torch.Tensor for a in args):
-                pairs: Any = zip(_ARG_PATHS, args)  # the common case, without walking
+            if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+                pairs: Any = ((_ARG_PATHS[0], args[0]),)  # the commonest case
+            elif not kwargs and len(args) <= len(_ARG_PATHS) and all(type(a) is torch.Tensor for a in args):
+                pairs = zip(_ARG_PATHS, args)  # the common case, without walking
             else:
                 pairs = itertools.chain(iter_tensors(args, "args"), iter_tensors(kwargs, "kwargs"))
             add = self.collector.add
+            producers = self._producers
             for path, t in pairs:
                 slot = add(t)
-                producer, producer_path = self._producer(t)
+                seen = producers.get(id(t))  # the earlier call that returned this very tensor (_producer, inline)
+                if seen is not None and seen[0]() is t:
+                    producer, producer_path = seen[1], seen[2]
+                else:
+                    producer, producer_path = None, ""
                 requires_grad = t.requires_grad
                 inputs.append((path, slot, requires_grad, producer, producer_path))
                 # An input returned by an earlier call already has that call's output hook: the very same
@@ -313,11 +345,15 @@ class Recorder:
             call = self.calls[index]
             pairs = (("out", output),) if type(output) is torch.Tensor else iter_tensors(output, "out")
             add = self.collector.add
+            producers = self._producers
             for path, t in pairs:
                 slot = add(t)
                 requires_grad = t.requires_grad
                 call.outputs.append((path, slot, requires_grad))
-                self._remember_producer(t, index, path)
+                try:  # _remember_producer, inline
+                    producers[id(t)] = (weakref.ref(t), index, path)
+                except TypeError:
+                    pass
                 if requires_grad and self.record_grads and t.is_floating_point():
                     self._grad_hook(t, "output", index, path)
             call.end_order = next(self._ends)
@@ -342,14 +378,22 @@ class Recorder:
     def _grad_hook(self, t: torch.Tensor, kind: GradKind, index: int, path: str) -> None:
         base = t._base
         via_base = base is not None and base.requires_grad
-        handle, _ = register_grad_hook(t, functools.partial(self._receive, kind, index, path, via_base))
+        receive = functools.partial(self._receive, kind, index, path, via_base)
+        if base is None:
+            entry = hang_tensor_hook(t, receive)
+            if entry is not None:
+                self._hung.append(entry)
+                return
+        handle, _ = register_grad_hook(t, receive)
         self._handles.append(handle)
 
     def _receive(self, kind: GradKind, index: int, path: str, via_base: bool, grad: torch.Tensor) -> None:
         try:
-            grad = measurable(grad)
+            if grad.layout is not torch.strided:
+                grad = measurable(grad)
             # Gradients held in the low precision go into the pass's one summed histogram (loss-scale predictions).
-            slot = self.collector.add_fresh(grad, self.histograms > 1 and grad.dtype == self.collector.low_dtype)
+            collector = self.collector
+            slot = collector.add_fresh(grad, self.histograms > 1 and grad.dtype == collector.low_dtype)
             self.grads.append(GradSeen(next(self._grad_order), kind, slot, index, path, None, via_base))
         except Exception as exc:
             self.error = self.error or exc
@@ -382,6 +426,8 @@ class Recorder:
 
 
 _NOT_PAUSED = contextlib.nullcontext()
+_REGISTER_PRE = nn.Module.register_forward_pre_hook
+_REGISTER_POST = nn.Module.register_forward_hook
 _DisableTorchFunction = torch._C.DisableTorchFunction
 
 

@@ -31,12 +31,13 @@ from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hidden import HiddenWatch, watching
 from .hooks import Recorder
+from .internal import INTERNAL
 from .op_peaks import op_peaks
 from .options import PLAIN_PASS, LossFn, PassOptions
 from .reference import FloatReference
-from .room import RecursionRoom
+from .room import RecursionRoom, module_depth
 from .state import StateGuard
-from .stats import INTERNAL, StatsCollector
+from .stats import StatsCollector
 from .trace_build import build_trace, grad_events
 from .walk import call_model, iter_tensors
 from .zoom import BackwardZoom, OpZoom
@@ -206,6 +207,7 @@ class _Step:
         self.histograms: dict[str, list[float]] = {}
         self.slots: tuple[list[tuple[str, int, bool]], list[tuple[str, int, bool]], int] = ([], [], -1)
         self.gc_was_enabled = gc.isenabled()
+        self.depth = module_depth(spec.root)  # for the room its forward and its backward each hold
 
     @property
     def repeatable(self) -> bool:
@@ -293,10 +295,13 @@ class _Step:
         """The forward and loss's autocast region and the copy-on-write of parameters (left after the loss)."""
         # Hooks cost torch one frame per nesting level: room for them, so a model that runs plain runs here
         # (held while the model's code runs, not while a kept graph waits for its next backward).
-        self.region.enter_context(RecursionRoom(self.spec.root))
+        self.region.enter_context(RecursionRoom(self.spec.root, self.depth))
         self.region.enter_context(_autocast(self.spec, self.autocast))
         if self.guard is not None:
-            self.region.enter_context(self.guard.guard_writes())
+            if self.hidden is not None:
+                self.hidden.guarding(self.guard)  # one torch-function mode for both (each op crosses one)
+            else:
+                self.region.enter_context(self.guard.guard_writes())
         self.region.enter_context(watching(self.hidden))
 
     @uninterrupted
@@ -320,7 +325,7 @@ class _Step:
             recorder.in_backward = True
             try:
                 zoom = self.back_zoom if self.back_zoom is not None else contextlib.nullcontext()
-                with RecursionRoom(spec.root), zoom:  # checkpointed regions re-run their forward in here
+                with RecursionRoom(spec.root, self.depth), zoom:  # checkpointed regions re-run their forward in here
                     if recorder.ran_without_grad:
                         # A reentrant checkpoint runs its region's backward with .backward() inside, which
                         # refuses autograd.grad: take the gradients with .backward() on set-aside .grads.

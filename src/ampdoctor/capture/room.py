@@ -30,8 +30,12 @@ def module_depth(root: nn.Module) -> int:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        deepest = max(deepest, depth)
-        todo.extend((child, depth + 1) for child in module._modules.values() if child is not None)
+        if depth > deepest:
+            deepest = depth
+        children = module._modules
+        if children:  # (most modules of a large model are leaves: no generator for them)
+            below = depth + 1
+            todo.extend([(child, below) for child in children.values() if child is not None])
     return deepest
 
 
@@ -41,8 +45,10 @@ class RecursionRoom:
     the recursion limit under hooks. The limit is raised by that much while the passes run (never lowered),
     and put back when the last user leaves (unless someone else changed it meanwhile)."""
 
-    def __init__(self, root: nn.Module) -> None:
-        self.extra = module_depth(root) * _HOOK_FRAMES_PER_LEVEL + _OWN_FRAMES
+    def __init__(self, root: nn.Module, depth: Optional[int] = None) -> None:
+        """``depth``: ``module_depth(root)`` when the caller knows it already (a pass enters room twice, for its
+        forward and for its backward: one walk of a model of ten thousand modules, not two)."""
+        self.extra = (module_depth(root) if depth is None else depth) * _HOOK_FRAMES_PER_LEVEL + _OWN_FRAMES
         self.entered = False
 
     @uninterrupted

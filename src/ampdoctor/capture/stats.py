@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -21,8 +20,15 @@ import torch
 from ..records import TensorStats, survey_stats
 from ..thresholds import HIST_HIGH, HIST_LOW
 from .dtypes import dtype_name
-from .internal import INTERNAL, Internal, _internal, measuring  # noqa: F401  (INTERNAL, measuring: re-exported)
-from .reductions import behind_nan, detailed_record, format_limits, segment_extremes, segment_ids
+from .internal import INTERNAL as INTERNAL  # re-exported: where capture's users have always found it
+from .internal import Internal as Internal
+from .internal import _internal
+from .internal import measuring as measuring
+from .reductions import CHUNK as CHUNK
+from .reductions import CHUNK_MAX as CHUNK_MAX
+from .reductions import _nansum32, behind_nan, detailed_record, format_limits, segment_extremes, segment_ids
+from .reductions import chunk_size as chunk_size
+from .reductions import chunks as chunks
 from .staging import HIST_BINS, STAGE_EACH, STAGED_DEVICES, STAGED_DTYPES, Segments, Stage, histogram_bins
 
 # Statistic names in the order records list them. The survey level takes one fused min/max and a zero count.
@@ -38,12 +44,6 @@ DETAIL_FIELDS = SURVEY_FIELDS + (
     "cast_overflow_count",
     "cast_flush_count",
 )
-# Detailed statistics are reduced over chunks (scratch per chunk: about 13 bytes an element) of at least CHUNK
-# elements and 1/64 of a larger tensor, at most CHUNK_MAX. Small pieces reuse the heap blocks that a model's small
-# activations free (fixed 2**16-element pieces left the heap 1-2 MiB larger on a 7 MiB step); a large tensor
-# takes at most 64 pieces up to 16M elements, and its scratch stays near a tenth of its own size.
-CHUNK = 1 << 14
-CHUNK_MAX = 1 << 18
 # Histograms of large tensors go chunk by chunk in pieces this small (their scratch stays in the cache), and
 # tensors up to this size are histogrammed together (``add_many``).
 HIST_CHUNK = BATCH_EACH = 1 << 16
@@ -55,34 +55,6 @@ HIST_GROUP = 1024
 _COUNTS = ("nonzero", "nan", "posinf", "neginf", "below_tiny", "at_or_below_flush", "at_or_above_overflow")
 _DIRECT = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _NAMES = {dtype: dtype_name(dtype) for dtype in _DIRECT}
-
-
-def chunk_size(numel: int) -> int:
-    """The piece size in which the detailed level reads a tensor of ``numel`` elements."""
-    return min(CHUNK_MAX, max(CHUNK, -(-numel >> 6)))
-
-
-def _nansum32(w: torch.Tensor) -> torch.Tensor:
-    """The NaN-ignoring float32 sum of ``w``. Summing a low-precision tensor with ``dtype=float32`` first makes a
-    float32 copy of all of it, so a large one is summed in chunks (inf + -inf is NaN either way)."""
-    size = chunk_size(w.numel())
-    if w.dtype == torch.float32 or w.numel() <= 4 * size:
-        return torch.nansum(w, dtype=torch.float32)
-    return torch.stack([torch.nansum(c, dtype=torch.float32) for c in chunks(w, size)]).sum()
-
-
-def chunks(x: torch.Tensor, size: int = CHUNK) -> Iterator[torch.Tensor]:
-    """``x`` flattened, in pieces of at most ``size`` elements; only a non-contiguous piece is ever copied."""
-    if x.is_contiguous() or x.numel() <= size:
-        flat = x.reshape(-1)
-        for start in range(0, flat.numel(), size):
-            yield flat[start : start + size]
-    elif x.shape[0] == 1:
-        yield from chunks(x[0], size)
-    else:  # a large non-contiguous tensor: whole rows of its first dimension at a time
-        rows = max(1, size // max(1, x[0].numel()))
-        for start in range(0, x.shape[0], rows):
-            yield from chunks(x[start : start + rows], size)
 
 
 class StatsCollector:
@@ -144,20 +116,56 @@ class StatsCollector:
     def add_if_staged(self, tensor: torch.Tensor) -> int:
         """``add`` at the survey level when that is this collector's level and ``tensor`` is one it stages (small,
         on the CPU); -1 otherwise (nothing measured). A hook that adds the same tensor later finds its slot."""
-        if (self.detailed or not tensor.is_cpu or tensor.dtype not in STAGED_DTYPES
-                or not 0 < tensor.numel() <= STAGE_EACH):
+        if self.detailed or not tensor.is_cpu:
             return -1
-        return self.add(tensor)
+        dtype = tensor.dtype
+        if dtype not in STAGED_DTYPES or not 0 < tensor.numel() <= STAGE_EACH:
+            return -1
+        # ``add`` written out for this one case (every op of a watched forward comes here).
+        level = int(self.zeros)
+        key = id(tensor)
+        seen = self._seen.get(key)
+        version = tensor._version
+        if seen is not None and seen[1] == version and seen[2] == level and seen[0]() is tensor:
+            return seen[3]
+        stage = self._cpu_stages.get(dtype)
+        if stage is None:
+            stage = self._stages[(tensor.device, dtype)] = self._cpu_stages[dtype] = Stage(
+                dtype, tensor.device, self._gradient_total)
+        depth = getattr(_internal, "depth", 0)
+        _internal.depth = depth + 1
+        try:
+            index = stage.add(tensor.detach() if tensor.requires_grad else tensor)
+        finally:
+            _internal.depth = depth
+        slots = self._slots
+        slots.append((_NAMES[dtype], tuple(tensor.shape), stage, index, level + 3, -1))
+        slot = len(slots) - 1
+        try:
+            self._seen[key] = (weakref.ref(tensor), version, level, slot)
+        except TypeError:  # a tensor subclass without weakref support: measure again next time
+            pass
+        return slot
 
     def add_fresh(self, tensor: torch.Tensor, histogram: bool = False) -> int:
         """``add`` for a tensor made just now and seen once (a gradient in a hook): no lookup of earlier slots.
         ``histogram``: also add its binade histogram to :attr:`gradient_histogram` (:meth:`add_gradient_histogram`)."""
-        _internal.depth = getattr(_internal, "depth", 0) + 1
+        depth = getattr(_internal, "depth", 0)
+        _internal.depth = depth + 1
         try:
-            return self._measure(tensor.detach() if tensor.requires_grad else tensor,
-                                 2 if self.detailed else int(self.zeros), histogram)
+            x = tensor.detach() if tensor.requires_grad else tensor
+            dtype = x.dtype
+            if not self.detailed and x.is_cpu and dtype in STAGED_DTYPES and 0 < x.numel() <= STAGE_EACH:
+                # _measure's staged case written out (every module output's gradient in a backward comes here)
+                stage = self._cpu_stages.get(dtype)
+                if stage is not None:
+                    slots = self._slots
+                    slots.append((_NAMES[dtype], tuple(x.shape), stage, stage.add(x, histogram), int(self.zeros) + 3,
+                                  -1))
+                    return len(slots) - 1
+            return self._measure(x, 2 if self.detailed else int(self.zeros), histogram)
         finally:
-            _internal.depth -= 1
+            _internal.depth = depth
 
     def _measure(self, x: torch.Tensor, level: int, histogram: bool = False) -> int:
         dtype = x.dtype

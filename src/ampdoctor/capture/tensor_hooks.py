@@ -1,0 +1,63 @@
+"""Gradient hooks on tensors: the one way capture hangs them (``register_grad_hook``: on a view's base when there is
+one) and the cheap way for plain tensors (``hang_tensor_hook``: torch's own hook dict, no handle object)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["hang_tensor_hook", "register_grad_hook"]
+
+
+def hang_tensor_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Optional[tuple[Any, int]]:
+    """What ``t.register_hook(hook)`` does, for a plain tensor or parameter that requires grad, without its cost
+    (a handle object, an import and checks: about 20 us against 3 on this CPU, paid for every module output and
+    every parameter of a pass): the same dict torch keeps the tensor's hooks in, under an id reserved from torch's
+    own counter. Returns (that dict, the id) to take the hook out again with ``pop``; None for any other tensor
+    (a subclass: ask ``register_hook``)."""
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not nn.Parameter or torch.Tensor.register_hook is not _REGISTER_HOOK:
+        return None  # (a register_hook someone wrapped is honoured: it is asked)
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        grad_fn = t.grad_fn
+        if grad_fn is not None:
+            grad_fn._register_hook_dict(t)
+    hook_id = RemovableHandle.next_id
+    RemovableHandle.next_id = hook_id + 1
+    hooks[hook_id] = hook
+    return hooks, hook_id
+
+
+def register_grad_hook(t: torch.Tensor, receive: Callable[[torch.Tensor], None]) -> tuple[Any, bool]:
+    """Hang a gradient hook on ``t`` that calls ``receive(gradient of t)``; returns (handle, hung on the base).
+
+    A hook on a view never fires once a later op modifies the view in place (``ReLU(inplace=True)`` after a
+    ``Linear`` on 3-D input); one on the view's base does, with the base's gradient, which is mapped back onto
+    the view when the view covers only part of the base. The closure holds plain values only: it lives on the
+    autograd graph and must not keep activations alive. ``receive`` must return None (a hook's return value
+    replaces the gradient).
+    """
+    base = t._base
+    if base is None or not base.requires_grad:
+        return t.register_hook(receive), False
+    target, view = base, None
+    if base.numel() != t.numel():
+        view = (tuple(t.size()), tuple(t.stride()), t.storage_offset() - base.storage_offset())
+    target_shape = target.shape
+
+    def hook(grad: torch.Tensor) -> None:
+        g = grad
+        if view is not None and grad.is_contiguous() and grad.shape == target_shape:
+            g = grad.as_strided(view[0], view[1], grad.storage_offset() + view[2])
+        receive(g)
+
+    return target.register_hook(hook), True
+
+
+_REGISTER_HOOK = torch.Tensor.register_hook
