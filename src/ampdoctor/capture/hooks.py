@@ -23,7 +23,7 @@ from .internal import _internal
 from .reference import FloatReference
 from .state import RngState
 from .stats import StatsCollector
-from .tensor_hooks import hang_tensor_hook, register_grad_hook
+from .tensor_hooks import hang_tensor_hook, hook_dicts_work, register_grad_hook
 from .walk import iter_tensors
 from .zoom import OpZoom
 
@@ -137,8 +137,9 @@ class Recorder:
         pre_id, post_id = RemovableHandle(OrderedDict()).id, RemovableHandle(OrderedDict()).id
         self._hook_ids = (pre_id, post_id)
         hooked = self._hooked
+        dicts = hook_dicts_work()
         for module in self.modules:
-            if type(module).register_forward_pre_hook is not _REGISTER_PRE or type(
+            if not dicts or type(module).register_forward_pre_hook is not _REGISTER_PRE or type(
                 module
             ).register_forward_hook is not _REGISTER_POST:
                 self._module_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))

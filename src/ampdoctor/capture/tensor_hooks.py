@@ -10,7 +10,46 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["hang_tensor_hook", "register_grad_hook"]
+__all__ = ["hang_tensor_hook", "hook_dicts_work", "register_grad_hook"]
+
+_works: Optional[bool] = None
+
+
+def hook_dicts_work() -> bool:
+    """Whether hooks set straight into torch's own hook dicts fire (checked once per process, on tensors and a
+    module of our own). The fast registrations copy what torch 2.13's ``register_hook`` and
+    ``register_forward_(pre_)hook`` do with private dicts; a torch that keeps hooks elsewhere would silently skip
+    them (a gradient never recorded reads as nothing wrong), so where this check fails every hook goes through the
+    public registration instead."""
+    global _works
+    if _works is None:
+        try:
+            _works = _check_hook_dicts()
+        except Exception:  # any change in those internals: the public API
+            _works = False
+    return _works
+
+
+def _check_hook_dicts() -> bool:
+    fired: list[str] = []
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), torch.autocast("cpu", enabled=False), \
+            torch.enable_grad():
+        leaf = torch.ones(2, requires_grad=True)
+        mid = leaf * 3.0
+        def seen(tag: str) -> Callable[[torch.Tensor], None]:
+            return lambda g: fired.append(f"{tag}{float(g[0]):g}")
+
+        entries = [_hang(leaf, seen("leaf")), _hang(mid, seen("mid"))]
+        module = nn.Identity()
+        pre_id, post_id = RemovableHandle(OrderedDict()).id, RemovableHandle(OrderedDict()).id
+        module._forward_pre_hooks[pre_id] = lambda m, args, kwargs: fired.append("pre")
+        module._forward_pre_hooks_with_kwargs[pre_id] = True
+        module._forward_hooks[post_id] = lambda m, args, kwargs, out: fired.append("post")
+        module._forward_hooks_with_kwargs[post_id] = True
+        torch.autograd.grad((module(mid) * 2.0).sum(), leaf)
+        for hooks, hook_id in entries:
+            hooks.pop(hook_id, None)
+    return sorted(fired) == ["leaf6", "mid2", "post", "pre"]
 
 
 def hang_tensor_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Optional[tuple[Any, int]]:
@@ -22,6 +61,12 @@ def hang_tensor_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Op
     kind = type(t)
     if kind is not torch.Tensor and kind is not nn.Parameter or torch.Tensor.register_hook is not _REGISTER_HOOK:
         return None  # (a register_hook someone wrapped is honoured: it is asked)
+    if not (_works or hook_dicts_work()):
+        return None
+    return _hang(t, hook)
+
+
+def _hang(t: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> tuple[Any, int]:
     hooks = t._backward_hooks
     if hooks is None:
         hooks = t._backward_hooks = OrderedDict()

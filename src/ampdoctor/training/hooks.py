@@ -26,6 +26,7 @@ from torch import nn
 from ..capture.cleanup import uninterrupted
 from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
+from ..capture.tensor_hooks import hook_dicts_work
 from ..capture.walk import iter_tensors
 from .compiled import CompiledStats, RootTap, is_compiled
 from .fastpath import OWN_KEY, hang_grad_hook
@@ -350,7 +351,7 @@ class _ModuleProbe:
                     # the common case, inline: no view, no hook yet: our hook in the tensor's own hook dict, in C
                     # (fastpath's docstring). The dict goes straight into the step's list (a Ctrl-C in between
                     # leaves a hook on this step's graph only, which dies with it)
-                    if t._base is None and t._backward_hooks is None:
+                    if t._base is None and t._backward_hooks is None and hook_dicts_work():
                         # an OrderedDict, as register_hook makes (its handles keep a weakref to it)
                         hooks_of_t: OrderedDict[int, Any] = OrderedDict()
                         hooks_of_t[OWN_KEY] = receive
