@@ -5,6 +5,8 @@ while the watch is paused, and the forward hooks go in without a handle object p
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 from helpers import pass_spec
@@ -206,8 +208,13 @@ def test_ctrl_c_right_after_a_tensor_hook_is_hung_leaves_nothing_behind(
         return entry
 
     monkeypatch.setattr(hooks, "hang_tensor_hook", hang)
-    with pytest.raises(KeyboardInterrupt):
-        ampdoctor.diagnose(model, batch, device_type="cpu", progress=False)
+    # Python's own SIGINT handler, as in a terminal (a run started in the background inherits SIGINT ignored)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ampdoctor.diagnose(model, batch, device_type="cpu", progress=False)
+    finally:
+        signal.signal(signal.SIGINT, handler)
     monkeypatch.undo()
     assert calls[0] >= at
     assert differences(before, state_of(model)) == []
