@@ -186,3 +186,27 @@ def test_an_op_a_capture_flagged_is_followed_every_step_under_the_captures_name(
     assert seen[2]["outer:matmul#1"] == expected and "outer:matmul#0" not in seen[2]
     assert doctor.hooks.ops.flagged["outer:matmul#1"] == ("outer", "matmul", 1)
     _no_hooks_left(model)
+
+
+def test_a_model_with_op_taps_pickles_and_copies_without_them() -> None:
+    """The taps on a flagged op's module stay between steps: torch.save of the whole model and a deepcopy (an EMA
+    copy) made meanwhile must carry none of their closures (pickling them failed before)."""
+    import copy
+    import io
+
+    model = Holder()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    with ampdoctor.watch(model, scaler, save_bundle=False, max_captures=0) as doctor:
+        doctor.hooks.ops.flag_ops([("outer", "matmul", 1)])
+        assert model.outer._forward_hooks and model.outer.inner._forward_pre_hooks  # the tap and its child's
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        twin = copy.deepcopy(model)
+        assert model.outer._forward_hooks  # the watched model keeps them
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    for other in (twin, loaded, model):
+        for m in other.modules():
+            assert not m._forward_hooks and not m._forward_pre_hooks
+            assert "__getstate__" not in m.__dict__ and "forward" not in m.__dict__
+    x = torch.full((4,), 0.01)
+    assert torch.equal(loaded(x), model(x)) and torch.equal(twin(x), model(x))

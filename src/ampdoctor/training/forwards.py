@@ -172,13 +172,13 @@ class HookTap(_Install):
 
     def __init__(
         self, module: nn.Module, pre: Optional[Callable[..., Any]] = None, post: Optional[Callable[..., Any]] = None,
-        with_kwargs: bool = False,
+        with_kwargs: bool = False, always_call: bool = False,
     ) -> None:
         super().__init__(module)
         if pre is not None:
             self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=with_kwargs))
         if post is not None:
-            self.handles.append(module.register_forward_hook(post, with_kwargs=with_kwargs))
+            self.handles.append(module.register_forward_hook(post, with_kwargs=with_kwargs, always_call=always_call))
 
 
 Tap = Union[ForwardTap, HookTap]

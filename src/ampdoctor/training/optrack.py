@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..capture.hidden import ARITH, CAST, MAKE, counted_op, op_info
 from ..capture.stats import measuring
+from .forwards import HookTap
 
 LOW = (torch.float16, torch.bfloat16)
 # Ops followed every step, from the survey (flagged by captures come on top).
@@ -148,9 +149,8 @@ class OpTracker:
         self.last_survey = step
         self.surveyed = True
         survey = self.survey = _Survey(self.names, self.measure)
-        for module in self.root.modules():
-            self._survey_handles.append(module.register_forward_pre_hook(survey.pre))
-            self._survey_handles.append(module.register_forward_hook(survey.post, always_call=True))
+        for module in self.root.modules():  # (HookTap: a copy or pickle of the model made meanwhile keeps none)
+            self._survey_handles.append(HookTap(module, survey.pre, survey.post, always_call=True))
         survey.__enter__()
 
     def end_survey(self) -> None:
@@ -207,11 +207,11 @@ class OpTracker:
             found = modules.get(name)
             if found is None:
                 continue
-            self._taps.append(found.register_forward_pre_hook(self._push(name, wanted)))
-            self._taps.append(found.register_forward_hook(self._pop(name), always_call=True))
+            # HookTap: the taps stay between steps, and a copy or pickle of the model (torch.save of the whole
+            # model, an EMA's deepcopy) must carry none of these closures
+            self._taps.append(HookTap(found, self._push(name, wanted), self._pop(name), always_call=True))
             for child in found.children():
-                self._taps.append(child.register_forward_pre_hook(self._child(name, 1)))
-                self._taps.append(child.register_forward_hook(self._child(name, -1), always_call=True))
+                self._taps.append(HookTap(child, self._child(name, 1), self._child(name, -1), always_call=True))
 
     def _push(self, name: str, wanted: dict[str, set[int]]) -> Callable[[nn.Module, Any], None]:
         def push(module: nn.Module, args: Any) -> None:
