@@ -39,6 +39,8 @@ def _hook_counts(module: nn.Module) -> tuple[int, ...]:
         len(module._forward_pre_hooks),
         len(module._backward_hooks),
         len(getattr(module, "_backward_pre_hooks", {})),
+        int("forward" in module.__dict__),  # an instance forward wrapper (the watch's) left behind
+        int("__getstate__" in module.__dict__),
     )
 
 

@@ -91,7 +91,8 @@ def worker(rank: int, port: int, out_dir: str) -> None:
                 scaler.step(opt)
                 scaler.update()
         report = doctor.report()  # every rank calls it: one all_gather at report time
-        hooks_left = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+        hooks_left = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__)
+                         + ("__getstate__" in m.__dict__) for m in model.modules())
         result = {
             "text": str(report),
             "verdict": report.verdict,

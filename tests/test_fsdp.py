@@ -41,7 +41,8 @@ def shard(model: nn.Module, mixed: bool) -> nn.Module:
 
 
 def hook_count(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("__getstate__" in m.__dict__)
+               for m in model.modules())
 
 
 def batch(rank: int, step: int) -> torch.Tensor:

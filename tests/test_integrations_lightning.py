@@ -84,6 +84,7 @@ def fit(model: Net, loader: DataLoader[Any], tmp_path: Path, **trainer_kwargs: A
     trainer.fit(model, loader)
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
+        assert "forward" not in m.__dict__ and "__getstate__" not in m.__dict__
     return callback.report
 
 
