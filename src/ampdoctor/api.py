@@ -333,7 +333,6 @@ def _diagnose(
         backward_note=backward_note(survey, spec.backward, spec.params),
     )
     cpu_policy = spec.policy == "native" and spec.device_type == "cpu"
-    near = near if final is survey else None
     findings = analyze(final, modules, limits, underflow, scale_finding, window, survey.comparisons, cpu_policy, near)
     if cpu_policy:
         findings = _check_policy_notes(session, findings, modules, final.scale)
