@@ -10,12 +10,10 @@ import contextlib
 import functools
 import itertools
 import weakref
-from collections import OrderedDict
 from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from ..records import GradKind
 from .cleanup import uninterrupted
@@ -23,7 +21,14 @@ from .internal import _internal
 from .reference import FloatReference
 from .state import RngState
 from .stats import StatsCollector
-from .tensor_hooks import hang_tensor_hook, hook_dicts_work, register_grad_hook
+from .tensor_hooks import (
+    drop_forward_hooks,
+    hang_tensor_hook,
+    hook_dicts_work,
+    register_grad_hook,
+    reserve_forward_ids,
+    set_forward_hooks,
+)
 from .walk import iter_tensors
 from .zoom import OpZoom
 
@@ -130,12 +135,10 @@ class Recorder:
     @uninterrupted
     def install(self, params: list[tuple[str, nn.Parameter]]) -> None:
         pre, post = self._pre, self._post  # one bound method each for every module
-        # What ``register_forward_pre_hook(pre, with_kwargs=True)`` and ``register_forward_hook(post,
-        # with_kwargs=True)`` do, without a handle object per module (two on each of ten thousand modules): one hook
-        # id per kind for the whole pass, reserved from torch's own counter, and the same dict entries torch makes;
-        # drop_forward_hooks takes them out again. A module class with its own registration is asked as usual.
-        pre_id, post_id = RemovableHandle(OrderedDict()).id, RemovableHandle(OrderedDict()).id
-        self._hook_ids = (pre_id, post_id)
+        # No handle object per module (two on each of ten thousand modules): one hook id per kind for the whole
+        # pass and torch's own dict entries (set_forward_hooks); drop_forward_hooks takes them out again. A module
+        # class with its own registration is asked as usual.
+        ids = self._hook_ids = reserve_forward_ids()
         hooked = self._hooked
         dicts = hook_dicts_work()
         for module in self.modules:
@@ -146,10 +149,7 @@ class Recorder:
                 self._module_handles.append(module.register_forward_hook(post, with_kwargs=True))
                 continue
             hooked.append(module)  # first: an interrupted install is still undone by drop_forward_hooks
-            module._forward_pre_hooks[pre_id] = pre
-            module._forward_pre_hooks_with_kwargs[pre_id] = True
-            module._forward_hooks[post_id] = post
-            module._forward_hooks_with_kwargs[post_id] = True
+            set_forward_hooks(module, ids, pre, post)
         if self.record_grads:
             hung = self._hung
             for name, param in params:
@@ -182,12 +182,8 @@ class Recorder:
         for handle in self._module_handles:
             handle.remove()
         self._module_handles.clear()
-        pre_id, post_id = self._hook_ids
         for module in self._hooked:
-            module._forward_pre_hooks.pop(pre_id, None)
-            module._forward_pre_hooks_with_kwargs.pop(pre_id, None)
-            module._forward_hooks.pop(post_id, None)
-            module._forward_hooks_with_kwargs.pop(post_id, None)
+            drop_forward_hooks(module, self._hook_ids)
         self._hooked.clear()
         self._producers.clear()
 

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["hang_tensor_hook", "hook_dicts_work", "register_grad_hook"]
+__all__ = ["drop_forward_hooks", "hang_tensor_hook", "hook_dicts_work", "register_grad_hook", "reserve_forward_ids",
+           "set_forward_hooks"]
 
 _works: Optional[bool] = None
 
@@ -41,15 +42,39 @@ def _check_hook_dicts() -> bool:
 
         entries = [_hang(leaf, seen("leaf")), _hang(mid, seen("mid"))]
         module = nn.Identity()
-        pre_id, post_id = RemovableHandle(OrderedDict()).id, RemovableHandle(OrderedDict()).id
-        module._forward_pre_hooks[pre_id] = lambda m, args, kwargs: fired.append("pre")
-        module._forward_pre_hooks_with_kwargs[pre_id] = True
-        module._forward_hooks[post_id] = lambda m, args, kwargs, out: fired.append("post")
-        module._forward_hooks_with_kwargs[post_id] = True
+        ids = reserve_forward_ids()
+        set_forward_hooks(module, ids, lambda m, args, kwargs: fired.append("pre"),
+                          lambda m, args, kwargs, out: fired.append("post"))
         torch.autograd.grad((module(mid) * 2.0).sum(), leaf)
         for hooks, hook_id in entries:
             hooks.pop(hook_id, None)
     return sorted(fired) == ["leaf6", "mid2", "post", "pre"]
+
+
+def reserve_forward_ids() -> tuple[int, int]:
+    """Two hook ids from torch's own counter (a pre-hook's and a hook's), for :func:`set_forward_hooks`."""
+    return RemovableHandle(OrderedDict()).id, RemovableHandle(OrderedDict()).id
+
+
+def set_forward_hooks(
+    module: nn.Module, ids: tuple[int, int], pre: Callable[..., Any], post: Callable[..., Any]
+) -> None:
+    """What ``register_forward_pre_hook(pre, with_kwargs=True)`` and ``register_forward_hook(post,
+    with_kwargs=True)`` do, under ``ids``, without a handle object per module; :func:`drop_forward_hooks` undoes it."""
+    pre_id, post_id = ids
+    module._forward_pre_hooks[pre_id] = pre
+    module._forward_pre_hooks_with_kwargs[pre_id] = True
+    module._forward_hooks[post_id] = post
+    module._forward_hooks_with_kwargs[post_id] = True
+
+
+def drop_forward_hooks(module: nn.Module, ids: tuple[int, int]) -> None:
+    """Take out what :func:`set_forward_hooks` put in (idempotent)."""
+    pre_id, post_id = ids
+    module._forward_pre_hooks.pop(pre_id, None)
+    module._forward_pre_hooks_with_kwargs.pop(pre_id, None)
+    module._forward_hooks.pop(post_id, None)
+    module._forward_hooks_with_kwargs.pop(post_id, None)
 
 
 def hang_tensor_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Optional[tuple[Any, int]]:
