@@ -187,7 +187,9 @@ def _outside_user_autocast() -> Iterator[None]:
 
 
 def _diagnose_model(root: nn.Module, notes: list[str], batch: Any, options: DiagnoseOptions) -> Report:
-    check_model(root)
+    named = list(root.named_modules())  # walked once per diagnosis
+    params = list(root.named_parameters())
+    check_model(root, named, params)
     device_type = options.device_type or model_device_type(root, batch)
     policy = options.policy
     emulate = policy == "cuda" or (policy is None and should_emulate_cuda(device_type))
@@ -200,20 +202,20 @@ def _diagnose_model(root: nn.Module, notes: list[str], batch: Any, options: Diag
     shown = progress_callback(options.progress)
     # Inside torch.inference_mode() autograd is off and tensors cannot be saved for backward: run with it off
     # (the context puts the user's mode back), on normal copies of inference tensors.
-    named = list(root.named_modules())  # walked once per diagnosis
     with torch.inference_mode(False), shown as callback:
         spec = PassSpec(
             root=root,
             names={id(m): name for name, m in named},
-            params=list(root.named_parameters()),
+            params=params,
             batch=usable_batch(batch),
             loss_fn=options.loss_fn,
             device_type="cpu" if emulate else device_type,
             dtype=options.dtype,
             backward=options.backward,
             policy="cuda_emulated" if emulate else "native",
+            modules=[m for _, m in named],
         )
-        guard = StateGuard(root, spec.params)
+        guard = StateGuard(root, spec.params, modules=spec.modules)
         session = Session(spec, guard, limit, callback)
         try:
             report = _diagnose(session, named, used_scale, scale_source, options)

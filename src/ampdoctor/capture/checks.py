@@ -22,15 +22,22 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def check_model(root: nn.Module) -> None:
-    """TorchScript and uninitialised lazy modules cannot be instrumented: say so before touching anything."""
-    scripted = [name or "<root>" for name, m in root.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+def check_model(
+    root: nn.Module,
+    named: Optional[list[tuple[str, nn.Module]]] = None,
+    params: Optional[list[tuple[str, nn.Parameter]]] = None,
+) -> None:
+    """TorchScript and uninitialised lazy modules cannot be instrumented: say so before touching anything.
+    ``named`` and ``params``: ``root``'s ``named_modules()`` and ``named_parameters()`` when the caller has them."""
+    named = list(root.named_modules()) if named is None else named
+    params = list(root.named_parameters()) if params is None else params
+    scripted = [name or "<root>" for name, m in named if isinstance(m, torch.jit.ScriptModule)]
     if scripted:
         raise InvalidInput(
             f"{', '.join(scripted[:3])} {'is a' if len(scripted) == 1 else 'are'} TorchScript module(s): their "
             "forward cannot be hooked; diagnose the eager model (before torch.jit.script / torch.jit.trace)"
         )
-    lazy = [name for name, p in root.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    lazy = [name for name, p in params if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         raise InvalidInput(
             f"{', '.join(lazy[:3])}{' ...' if len(lazy) > 3 else ''} {'is an' if len(lazy) == 1 else 'are'} "

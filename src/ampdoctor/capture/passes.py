@@ -10,7 +10,7 @@ import dataclasses
 import gc
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -61,6 +61,9 @@ class PassSpec:
     backward: bool
     # "native": torch.autocast(device_type); "cuda_emulated": CUDA's op policy on CPU tensors (capture.emulate)
     policy: str = "native"
+    # Every module of ``root`` in ``modules()`` order; empty: walked by the first pass (a walk costs a few
+    # microseconds a module, so a diagnosis hands over the one it made).
+    modules: list[nn.Module] = field(default_factory=list)
 
 
 def _autocast(spec: PassSpec, enabled: bool) -> Any:
@@ -141,7 +144,9 @@ def run_pass(
     ``torch.autograd.grad`` so no ``.grad`` field is touched.
     """
     # Same spec, same options, and no module's forward replaced since (a float32 fallback under verification).
-    modules = list(spec.root.modules())
+    if not spec.modules:
+        spec.modules = list(spec.root.modules())
+    modules = spec.modules
     overrides = tuple(id(m.__dict__.get("forward")) for m in modules)
     key = (id(spec), spec.dtype, options.forward_key(), overrides)
     if share is not None and share.step is not None:

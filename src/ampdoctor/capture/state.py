@@ -264,9 +264,13 @@ class StateGuard:
     """
 
     def __init__(
-        self, model: nn.Module, params: list[tuple[str, nn.Parameter]], rng: Optional[RngState] = None
+        self,
+        model: nn.Module,
+        params: list[tuple[str, nn.Parameter]],
+        rng: Optional[RngState] = None,
+        modules: Optional[list[nn.Module]] = None,
     ) -> None:
-        self.modules = list(model.modules())
+        self.modules = list(model.modules()) if modules is None else modules  # ``modules``: when walked already
         # One diagnosis per model at a time (another thread's waits here); released by restore().
         self._release = claim_modules(self.modules, f"this {type(model).__name__}")
         self.rng = rng or RngState.capture()
