@@ -11,7 +11,7 @@ import dataclasses
 import math
 from array import array
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -94,6 +94,7 @@ class Collector:
         self._keys: list[PairKey] = []
         self.size = 0  # numbers in all values and pairs
         self.small: list[tuple[int, int]] = []  # (index of [zeros, below tiny], numel) of low-precision gradients
+        self.ops = 0  # "op" pairs put (:meth:`op_pairs` walks the keys only when there are some)
 
     def add(self, value: torch.Tensor) -> int:
         """A 0-d value, or a 1-D block; returns the index of its (first) number."""
@@ -105,6 +106,8 @@ class Collector:
 
     def pair(self, kind: PairKind, module: str, t: torch.Tensor, low: bool) -> int:
         """The (lo, hi) of ``t`` (detached), one pass on the device; returns the index of lo (hi follows)."""
+        if kind == "op":
+            self.ops += 1
         return self.put((kind, module, low), t)
 
     def put(self, key: PairKey, t: torch.Tensor) -> int:
@@ -143,6 +146,18 @@ class Collector:
     def pairs(self, numbers: list[float]) -> list[Pair]:
         return [(key[0], key[1], numbers[i], numbers[i + 1], key[2]) for i, key in zip(self._at, self._keys)]
 
+    def op_pairs(self, numbers: list[float]) -> list[Pair]:
+        """The "op" pairs only (none: no walk over the step's pairs)."""
+        if not self.ops:
+            return []
+        return [(key[0], key[1], numbers[i], numbers[i + 1], key[2]) for i, key in zip(self._at, self._keys)
+                if key[0] == "op"]
+
+    def fold(self, numbers: list[float], before: float, folded: Folded) -> None:
+        """Fold every pair of the step into ``folded`` (:func:`fold_pairs`), straight from the keys and indices:
+        no tuple per pair."""
+        fold_pairs(self._keys, self._at, numbers, before, folded)
+
     def read(self) -> list[float]:
         """Every number as a Python float: per device one ``cat`` of the slabs' used rows and the other values,
         widened to float64 (exact for every floating format), and one ``tolist``. The numbers go to their indices
@@ -150,8 +165,13 @@ class Collector:
         statistics every step on a deep model)."""
         if not self.size:
             return []
+        blocks = self.slabs.blocks(self)
+        if len(blocks) <= 1:
+            quick = self._read_one_slab(blocks[0][0] if blocks else None)
+            if quick is not None:
+                return quick
         by_device: dict[torch.device, list[tuple[torch.Tensor, Optional[array[int]], int]]] = {}
-        for flat_pairs, pair_ats in self.slabs.blocks(self):  # pairs: lo at each index in ats, hi right after
+        for flat_pairs, pair_ats in blocks:  # pairs: lo at each index in ats, hi right after
             by_device.setdefault(flat_pairs.device, []).append((flat_pairs, pair_ats, 0))
         for v, start in zip(self.values, self._starts):
             by_device.setdefault(v.device, []).append((v.detach().reshape(-1), None, start))
@@ -173,6 +193,40 @@ class Collector:
                     n = block.numel()
                     numbers[start : start + n] = values[k : k + n]
                     k += n
+        return numbers
+
+
+    def _read_one_slab(self, flat_pairs: Optional[torch.Tensor]) -> Optional[list[float]]:
+        """:meth:`read` of the common step: its pairs in one slab (one dtype), on the device of every value. One
+        ``cat`` (its type promotion widens every floating part exactly; integer parts are made float64 first) and
+        one ``tolist``; the pairs' numbers, in the slab's row order, are the order of the step's indices between
+        the values, so the numbers are put in place by list slices around the values (no loop over the pairs).
+        None when the values are on another device than the pairs (the general path)."""
+        parts = [] if flat_pairs is None else [flat_pairs]
+        device = None if flat_pairs is None else flat_pairs.device
+        for v in self.values:
+            if device is None:
+                device = v.device
+            elif v.device != device:
+                return None
+            v = v.reshape(-1)  # a 0-d value or a 1-D block (cat takes neither 0-d nor the graph: values are detached)
+            parts.append(v if v.is_floating_point() else v.double())
+        flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        n_pairs = 0 if flat_pairs is None else flat_pairs.numel()
+        if not self.values:
+            return flat  # type: ignore[no-any-return]
+        numbers: list[float] = []
+        taken = 0  # pair numbers placed so far
+        k = n_pairs  # the next value's first number in ``flat``
+        for v, start in zip(self.values, self._starts):
+            if start > len(numbers):  # the pairs put before this value
+                more = start - len(numbers)
+                numbers += flat[taken : taken + more]
+                taken += more
+            n = v.numel()
+            numbers += flat[k : k + n]
+            k += n
+        numbers += flat[taken:n_pairs]
         return numbers
 
 
@@ -243,16 +297,28 @@ class StepState:
         scale_before = next(tail) if isinstance(before, torch.Tensor) else float(before or 1.0)
         scale_after = next(tail) if isinstance(after, torch.Tensor) else float(after or scale_before)
         scales = StepScales(scale_before, scale_after, sum(numbers[i] for i in found_slots) if found else None)
-        pairs = collector.pairs(numbers)
-        self.pairs, self.numbers = pairs, numbers
+        # the forecast's pairs: on a sampled step only the ops' (the record's maxima cover the modules), else all
+        # (the root's and the few tracked modules')
+        pairs = collector.op_pairs(numbers) if sampled else collector.pairs(numbers)
+        self.numbers = numbers
         weight_norm: dict[str, float] = {}
+        extra_pairs: list[Pair] = []
         for extra, at in zip(extras, extra_slots):
             decoded = extra.decode(numbers[at : at + extra.tensor.numel()])
-            pairs += decoded.pairs
+            extra_pairs += decoded.pairs
             weight_norm.update(decoded.weight_norm)
+        pairs += extra_pairs
+        self.pairs = pairs
+        folded = Folded(self.out_max)
+        if sampled:
+            collector.fold(numbers, scales.before, folded)
+            if extra_pairs:
+                fold_pairs(
+                    [(kind, module, low) for kind, module, _, _, low in extra_pairs], range(0, 2 * len(extra_pairs), 2),
+                    [v for _, _, lo, hi, _ in extra_pairs for v in (lo, hi)], scales.before, folded,
+                )
         record, bad = step_record(
-            step, rank, numbers, pairs, list(self.micro), self.orphan_losses, sampled, self.forwards, scales,
-            self.out_max,
+            step, rank, numbers, list(self.micro), self.orphan_losses, sampled, self.forwards, scales, folded,
         )
         return dataclasses.replace(record, weight_norm=FrozenMap(weight_norm)) if weight_norm else record, bad
 
@@ -287,21 +353,62 @@ class StepScales:
     found_inf: Optional[float]
 
 
+@dataclass
+class Folded:
+    """A sampled step's pairs folded per module: the largest finite |x| of its low-precision outputs and of its
+    (unscaled) output gradients, and the modules with a non-finite output or gradient, in completion order.
+    ``out_max`` is a plain dict for the forecast to read (a record's FrozenMap reads each key through a call)."""
+
+    out_max: dict[str, float] = field(default_factory=dict)
+    grad_max: dict[str, float] = field(default_factory=dict)
+    bad_out: list[str] = field(default_factory=list)
+    bad_grad: list[str] = field(default_factory=list)
+
+
+def fold_pairs(
+    keys: Sequence[PairKey], ats: Iterable[int], numbers: Sequence[float], before: float, folded: Folded
+) -> None:
+    """Fold pairs (``keys[k]`` measured lo ``numbers[ats[k]]``, hi right after) into ``folded``: one plain loop over
+    every pair of the step, no call per pair."""
+    out_max, grad_max, bad_out, bad_grad = folded.out_max, folded.grad_max, folded.bad_out, folded.bad_grad
+    inf = math.inf
+    for (kind, module, low), i in zip(keys, ats):  # a "root" pair is the root's output (module "")
+        if kind == "op":
+            continue  # op trends are the forecast's (.optrack), not the step record's
+        lo = numbers[i]
+        hi = numbers[i + 1]
+        if lo != lo or hi != hi or hi == inf:  # bad_pair, inline: NaN, or +inf (a -inf alone is a mask)
+            bad = bad_grad if kind == "grad" else bad_out
+            if module not in bad:
+                bad.append(module)
+            continue
+        if not low:
+            continue  # only tensors in the low-precision format can overflow it
+        value = hi if hi >= 0 else -hi
+        if lo != -inf and -lo > value:  # -inf masks: the finite side
+            value = -lo
+        if kind == "grad":
+            if before:
+                value /= before  # gradients are stored unscaled, like everywhere else
+            if value > grad_max.get(module, -1.0):
+                grad_max[module] = value
+        elif value > out_max.get(module, -1.0):
+            out_max[module] = value
+
+
 def step_record(
     step: int,
     rank: int,
     numbers: list[float],
-    pairs: list[Pair],
     micro: list[MicroBatch],
     orphans: list[int],
     sampled: bool,
     forwards: int,
     scales: StepScales,
-    out_max: Optional[dict[str, float]] = None,
+    folded: Optional[Folded] = None,
 ) -> tuple[StepRecord, list[bool]]:
-    """The step's record from the numbers read back, and which micro-batches had a non-finite forward.
-    ``out_max``: a dict to fill with the record's output maxima (a plain dict for the forecast to read: a
-    record's FrozenMap reads each key through a Python call).
+    """The step's record from the numbers read back and, on a sampled step, its pairs ``folded`` per module
+    (:func:`fold_pairs`); and which micro-batches had a non-finite forward.
 
     ``orphans`` are losses seen by ``scaler.scale`` without a root forward of this step (kept for the mean loss).
     """
@@ -315,32 +422,7 @@ def step_record(
     ]
     forward_finite = not any(bad_micro) and all(math.isfinite(numbers[i]) for i in orphans)
     skipped = scales.found_inf > 0 if scales.found_inf is not None else scales.after < scales.before
-    out_max = {} if out_max is None else out_max
-    grad_max: dict[str, float] = {}
-    bad_out: list[str] = []
-    bad_grad: list[str] = []
-    if sampled:  # one plain loop over every pair of the step: no call per pair
-        inf, before = math.inf, scales.before
-        for kind, module, lo, hi, low in pairs:  # a "root" pair is the root's output (module "")
-            if kind == "op":
-                continue  # op trends are the forecast's (.optrack), not the step record's
-            if lo != lo or hi != hi or hi == inf:  # bad_pair, inline: NaN, or +inf (a -inf alone is a mask)
-                bad = bad_grad if kind == "grad" else bad_out
-                if module not in bad:
-                    bad.append(module)
-                continue
-            if not low:
-                continue  # only tensors in the low-precision format can overflow it
-            value = hi if hi >= 0 else -hi
-            if lo != -inf and -lo > value:  # -inf masks: the finite side
-                value = -lo
-            if kind == "grad":
-                if before:
-                    value /= before  # gradients are stored unscaled, like everywhere else
-                if value > grad_max.get(module, -1.0):
-                    grad_max[module] = value
-            elif value > out_max.get(module, -1.0):
-                out_max[module] = value
+    f = folded if folded is not None and sampled else Folded()
     record = StepRecord(
         step=step,
         scale=scales.before,
@@ -351,12 +433,12 @@ def step_record(
         new_scale=scales.after,
         micro_batches=forwards,
         sampled=sampled,
-        out_abs_max=FrozenMap(out_max),
-        grad_abs_max=FrozenMap(grad_max),
-        nonfinite_outputs=tuple(bad_out),
-        nonfinite_grads=tuple(bad_grad),
+        out_abs_max=FrozenMap(f.out_max),
+        grad_abs_max=FrozenMap(f.grad_max),
+        nonfinite_outputs=tuple(f.bad_out),
+        nonfinite_grads=tuple(f.bad_grad),
         # this rank's own forward, or its own gradients before any all-reduce, went non-finite
-        local_nonfinite=not forward_finite or bool(bad_out) or bool(bad_grad),
+        local_nonfinite=not forward_finite or bool(f.bad_out) or bool(f.bad_grad),
     )
     return record, bad_micro
 
@@ -436,6 +518,8 @@ def scale_value(scaler: Any) -> Union[torch.Tensor, float]:
         return 1.0
     tensor = getattr(scaler, "_scale", None)
     if isinstance(tensor, torch.Tensor):
+        if tensor.numel() == 1 and not tensor.requires_grad:
+            return tensor.clone()  # one number (the read-back takes 1-D values as they are): one op
         return tensor.detach().clone().reshape(())
     return float(scaler.get_scale())
 
@@ -448,5 +532,5 @@ def found_inf_flags(scaler: Any) -> list[torch.Tensor]:
     found = []
     for state in states.values():
         per_device = state.get("found_inf_per_device", {}) if isinstance(state, Mapping) else {}
-        found += [v.reshape(()) for v in per_device.values() if isinstance(v, torch.Tensor)]
+        found += [v for v in per_device.values() if isinstance(v, torch.Tensor) and v.numel() == 1]
     return found
