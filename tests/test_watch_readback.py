@@ -153,3 +153,45 @@ def test_gradients_are_recorded_with_or_without_the_tensors_own_hook_dict(dicts:
     assert set(step.grad_abs_max) == {"", "0", "1", "2"} and step.grad_abs_max["2"] == expected
     assert set(step.out_abs_max) == {"", "0", "1", "2"} and doctor._errors == []
     assert not out._backward_hooks  # the step's hooks went with it
+
+
+def test_one_slab_across_chunks_reads_every_row_in_order() -> None:
+    from ampdoctor.training.fastpath import CHUNK_ROWS
+
+    c = Collector(Slabs())
+    n = 2 * CHUNK_ROWS + 7  # two full chunks and part of a third
+    expected: list[float] = []
+    for i in range(n):
+        c.put(("out", f"m{i}", True), torch.tensor([float(-i), float(i % 2048)], dtype=torch.float16))
+        expected += [float(-i), float(i % 2048)]
+        if i == CHUNK_ROWS:  # a value between the chunks
+            c.add(torch.tensor(0.5))
+            expected.append(0.5)
+    assert c.read() == expected and len(c.slabs._by_key[(torch.device("cpu"), torch.float16)].chunks) == 3
+
+
+def test_the_lookout_leaves_the_record_maxima_alone_and_tracks_only_when_asked() -> None:
+    from ampdoctor.training.lookout import Lookout
+
+    look = Lookout(6.0, 100, None, 0, 1)
+    out_max = {"": 8.0, "a": 2.0, "b": 4.0}
+    assert look.after_step(0, True, [], torch.float16, 1.0, False, None, out_max, track=False) is None
+    assert look.seen is out_max and out_max == {"": 8.0, "a": 2.0, "b": 4.0}
+    op = ("op", "a:mul#0", -32.0, 16.0, True)
+    assert look.after_step(1, True, [op], torch.float16, 1.0, False, None, out_max) == ["b", "a"]
+    assert look.seen == {"": 8.0, "a": 2.0, "b": 4.0, "a:mul#0": 32.0} and "a:mul#0" not in out_max
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_tracked_modules_are_chosen_only_when_some_step_is_unsampled(every: int) -> None:
+    model = _model()
+    x = torch.randn(6, 4)
+    with ampdoctor.watch(model, stats_every=every, dtype=torch.bfloat16, save_bundle=False) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).sum()
+            doctor.see_loss(loss)
+            loss.backward()
+            doctor.step()
+    # every=2: step 0 sampled, so step 1 hooks the tightest modules; every=1: no step would ever use them
+    assert (doctor.hooks.tracked != []) == (every == 2) and doctor._errors == []

@@ -321,9 +321,11 @@ class _ModuleProbe:
             # the hot path (a watched root forward, one tensor, no torch function mode): no call of our own but the
             # collector's put
             try:
-                if output.is_floating_point() and output.numel():
-                    low = output.dtype is self.w.low
-                    cur = self.w.cur
+                w = self.w
+                dtype = output.dtype
+                low = dtype is w.low
+                if (low or dtype.is_floating_point) and output.numel():
+                    cur = w.cur
                     cur.collector.put(self.keys[low], output.detach())
                     if hooks.grads_on:
                         node = output.grad_fn
