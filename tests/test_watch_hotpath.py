@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 import ampdoctor
-from ampdoctor.training import fastpath, readback
+from ampdoctor.training import collector, fastpath
 from ampdoctor.training.fastpath import Slabs, remove_handles
 from ampdoctor.training.forecast import Forecaster
 from ampdoctor.training.readback import Collector
@@ -47,9 +47,9 @@ def test_the_scatter_and_the_loop_place_numbers_alike(monkeypatch: pytest.Monkey
             v = torch.tensor([float(i), -1.5])
             start = c.add(v)
             expected[start], expected[start + 1] = float(i), -1.5
-    assert sorted(expected) == list(range(c.size)) and readback.SCATTER_PAIRS <= 300
+    assert sorted(expected) == list(range(c.size)) and collector.SCATTER_PAIRS <= 300
     scattered = c.read()
-    monkeypatch.setattr(readback, "SCATTER_PAIRS", 10**9)
+    monkeypatch.setattr(collector, "SCATTER_PAIRS", 10**9)
     assert c.read() == scattered == [expected[i] for i in range(c.size)]
 
 

@@ -36,28 +36,28 @@ class _Slab:
     """Rows of (lo, hi) in one dtype on one device, with their 0-d views (each row's pair made once, as the
     ``out=`` argument of ``aminmax``)."""
 
-    __slots__ = ("device", "dtype", "chunks", "rows", "used", "ats")
+    __slots__ = ("device", "dtype", "chunks", "flats", "rows", "ats")
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         self.chunks: list[torch.Tensor] = []
+        self.flats: list[torch.Tensor] = []  # per chunk: its flat view (lo, hi, lo, hi ...), made once
         self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # per row: its (lo, hi) views
-        self.used = 0
         self.ats = array("q")  # per used row: the index its lo takes among the step's numbers (a C array: the
         # read-back makes it an index tensor without a Python loop)
 
     def grow(self) -> None:
         chunk = torch.empty(CHUNK_ROWS, 2, dtype=self.dtype, device=self.device)
         self.chunks.append(chunk)
+        self.flats.append(chunk.view(-1))
         self.rows += [row.unbind(0) for row in chunk.unbind(0)]  # type: ignore[misc]
 
     def block(self) -> torch.Tensor:
-        """The used rows, flat: lo, hi, lo, hi ..."""
-        rows = self.used
+        """The used rows, flat: lo, hi, lo, hi ... (one slice of a flat view made once; a cat past one chunk)."""
+        rows = len(self.ats)
         full, rest = divmod(rows, CHUNK_ROWS)
-        parts = self.chunks[:full] + ([self.chunks[full][:rest]] if rest else [])
-        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return flat.reshape(-1)
+        parts = self.flats[:full] + ([self.flats[full][: 2 * rest]] if rest else [])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class Slabs:
@@ -77,7 +77,6 @@ class Slabs:
         if owner is not self.owner:
             self.owner = owner
             for each in self._by_key.values():
-                each.used = 0
                 del each.ats[:]
         key = (t.device, t.dtype)
         slab = self._by_key.get(key)
@@ -90,7 +89,7 @@ class Slabs:
         """The owner's rows: per slab in use, its flat values and the index of each row's lo."""
         if owner is not self.owner:
             return []
-        return [(slab.block(), slab.ats) for slab in self._by_key.values() if slab.used]
+        return [(slab.block(), slab.ats) for slab in self._by_key.values() if slab.ats]
 
 
 def hang_grad_hook(

@@ -170,41 +170,41 @@ class Forecaster:
         (new, or materially changed), else None."""
         checked = []
         format_max, log2, inf = self.format_max, math.log2, math.inf
-        for module, value in maxima.items():
+        all_series, now, fits, at_risk = self.series, self.now, self.fits, self.at_risk
+        far = self.warn_bits + DENSE_MARGIN_BITS  # at or above: far from the limit, no gate could pass
+        oldest = step - MAX_SPAN_STEPS
+        risky: list[Forecast] = []
+        for module, value in maxima.items():  # one pass: each module's point, then its fit when it is near
             if not 0 < value < inf:  # headroom(), inline: a zero or non-finite maximum has none
                 continue
             bits = log2(format_max / value)
-            if module not in self.series:
-                self.series[module] = deque(maxlen=WINDOW)
+            series = all_series.get(module)
+            if series is None:
+                series = all_series[module] = deque(maxlen=WINDOW)
                 self.order[module] = len(self.order)
-            series = self.series[module]
             if series and series[-1][0] == step:
                 bits = min(bits, series[-1][1])
                 series[-1] = (step, bits)
             else:
                 series.append((step, bits))
-            self.now[module] = bits
+            now[module] = bits
             checked.append(module)
-        self.checked = checked
-        risky: list[Forecast] = []
-        for module in checked:
-            series = self.series[module]
-            if series[-1][1] >= self.warn_bits + DENSE_MARGIN_BITS:  # far from the limit: no gate could pass
-                f = None
-            else:
-                oldest = step - MAX_SPAN_STEPS
+            f: Optional[Fit] = None
+            if bits < far:
                 f = fit(list(series) if series[0][0] >= oldest else [p for p in series if p[0] >= oldest])
             if f is None:
-                self.fits.pop(module, None)
-                self.at_risk[module] = 0
+                if module in fits:
+                    del fits[module]
+                at_risk[module] = 0
                 continue
-            self.fits[module] = f
+            fits[module] = f
             if self._risky(f):
-                self.at_risk[module] = self.at_risk.get(module, 0) + 1
-                if self.at_risk[module] >= CONSECUTIVE:
+                at_risk[module] = at_risk.get(module, 0) + 1
+                if at_risk[module] >= CONSECUTIVE:
                     risky.append(Forecast(module, step, f.headroom_bits, f.rate, f.steps_left, self.dtype))
             else:
-                self.at_risk[module] = 0
+                at_risk[module] = 0
+        self.checked = checked
         if not risky:
             if self.warned is not None and step > self.warned.crossing + self.horizon:
                 self.warned = None  # long past and quiet: a new trend may warn again

@@ -36,6 +36,8 @@ from .quiet import diagnosing, recomputing
 from .readback import MicroBatch, PairKey, StepState, loss_value
 from .replay_step import Capture, own_loss
 
+_mode_on = torch._C._is_torch_function_mode_enabled
+
 
 def unseen() -> Any:
     """Our own reads of the model's tensors, out of sight of any torch function mode running (a survey's, a tap's,
@@ -81,6 +83,7 @@ class WatchHooks:
         self.tracked: list[str] = []  # modules hooked on unsampled steps (the forecast's watchlist)
         self.tracked_handles: list[Tap] = []
         self.count_underflow = False  # sampled steps: count small gradient values too (a sink wants the share)
+        self.dicts_ok = False  # gradient hooks may go straight into a tensor's own hook dict (checked at install)
         self._receivers: dict[tuple[str, bool], _GradReceiver] = {}
         self._probes: dict[int, _ModuleProbe] = {}  # per module: its forward hook, made once (no closure per step)
         self._captures_seen = 0
@@ -90,6 +93,7 @@ class WatchHooks:
     @uninterrupted
     def install(self) -> None:
         w = self.w
+        self.dicts_ok = hook_dicts_work()
         self.root_tap = RootTap(w.model, w.root, self.root_pre, self.root_post)
         if is_compiled(w.model, w.root):
             self.compiled = CompiledStats(w.root, w.names)
@@ -313,6 +317,35 @@ class _ModuleProbe:
 
     def measure(self, output: Any) -> None:
         hooks = self.hooks
+        if hooks.open and type(output) is torch.Tensor and self.name and not _mode_on():
+            # the hot path (a watched root forward, one tensor, no torch function mode): no call of our own but the
+            # collector's put
+            try:
+                w = self.w
+                dtype = output.dtype
+                low = dtype is w.low
+                if (low or dtype.is_floating_point) and output.numel():
+                    cur = w.cur
+                    cur.collector.put(self.keys[low], output.detach())
+                    if hooks.grads_on:
+                        node = output.grad_fn
+                        if node is not None and output._base is None and output._backward_hooks is None and (
+                            hooks.dicts_ok
+                        ):
+                            # our hook in the tensor's own hook dict, in C (fastpath's docstring), an OrderedDict
+                            # as register_hook makes (its handles keep a weakref to it). The dict goes straight
+                            # into the step's list (a Ctrl-C in between leaves a hook on this step's graph only,
+                            # which dies with it)
+                            hooks_of_t: OrderedDict[int, Any] = OrderedDict()
+                            hooks_of_t[OWN_KEY] = self.receivers[low] or self._receiver(low)
+                            output._backward_hooks = hooks_of_t  # type: ignore[assignment]
+                            node._register_hook_dict(output)
+                            cur.tensor_handles.append(hooks_of_t)
+                        elif node is not None or output.requires_grad:
+                            _hang(cur.tensor_handles, output, self.receivers[low] or self._receiver(low))
+            except Exception as exc:
+                self.w.fail(exc)
+            return
         # a watched root forward; else a training forward that calls the module directly, or a checkpoint
         # recomputing its region in the training backward; never an evaluation forward or ampdoctor's own pass
         if not hooks.open:
@@ -325,7 +358,7 @@ class _ModuleProbe:
                 return
         if not self.name:
             return  # the root: recorded by root_post
-        if torch._C._is_torch_function_mode_enabled():  # a mode runs: our reads (properties too) are unseen()
+        if _mode_on():  # a mode runs: our reads (properties too) are unseen()
             with torch._C.DisableTorchFunction():
                 self._record(output)
         else:
@@ -333,8 +366,6 @@ class _ModuleProbe:
 
     def _record(self, output: Any) -> None:
         try:
-            # the common case (one tensor) without walking; the loop body is the hot path: no call of our own
-            # but the collector's put
             tensors = (output,) if type(output) is torch.Tensor else [t for _, t in iter_tensors(output, "out")]
             w = self.w
             cur = w.cur
@@ -348,11 +379,7 @@ class _ModuleProbe:
                 node = t.grad_fn
                 if node is not None:
                     receive = self.receivers[low] or self._receiver(low)
-                    # the common case, inline: no view, no hook yet: our hook in the tensor's own hook dict, in C
-                    # (fastpath's docstring). The dict goes straight into the step's list (a Ctrl-C in between
-                    # leaves a hook on this step's graph only, which dies with it)
-                    if t._base is None and t._backward_hooks is None and hook_dicts_work():
-                        # an OrderedDict, as register_hook makes (its handles keep a weakref to it)
+                    if t._base is None and t._backward_hooks is None and self.hooks.dicts_ok:
                         hooks_of_t: OrderedDict[int, Any] = OrderedDict()
                         hooks_of_t[OWN_KEY] = receive
                         t._backward_hooks = hooks_of_t  # type: ignore[assignment]

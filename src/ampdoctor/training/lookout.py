@@ -74,13 +74,15 @@ class Lookout:
     def after_step(
         self, step: int, sampled: bool, pairs: list[Pair], low: Optional[torch.dtype], scale: Optional[float],
         skipped: bool, underflow: Optional[float], out_max: Optional[Mapping[str, float]] = None,
+        track: bool = True,
     ) -> Optional[list[str]]:
         """Fold one step in (``out_max``: the step record's output maxima, when it has them: :func:`maxima` of its
-        module pairs). Returns the new tracked-module list on a sampled step (else None)."""
+        module pairs; read, never changed). Returns the new tracked-module list on a sampled step (else None;
+        ``track=False``: the caller samples every step, so tracked modules would never be hooked)."""
         f = self._forecaster(low)
         if out_max is not None:  # the step record's maxima already: only the ops' are left to add
-            seen = dict(out_max)
-            seen.update(maxima([p for p in pairs if p[0] == "op"]))
+            ops = maxima([p for p in pairs if p[0] == "op"])
+            seen = out_max if not ops and isinstance(out_max, dict) else {**out_max, **ops}
         else:
             seen = maxima(pairs)
         self.seen = seen
@@ -92,7 +94,7 @@ class Lookout:
         self.skipped += int(skipped)
         if self.sink is not None:
             self._log(step, scale, underflow, forecast)
-        if sampled:
+        if sampled and track:
             # one module per value: a container returning its last child's output, or an in-place ReLU handing
             # back its input, measures the very same tensor again (children complete first and are kept)
             distinct: dict[float, str] = {}

@@ -1,7 +1,7 @@
 """What the watch keeps of one training step, and the step's single read-back into a :class:`StepRecord`.
 
-During a step the hooks only queue 0-d device tensors (a loss, the aminmax pairs of outputs and gradients, the
-scale, GradScaler's found-inf flags) in a :class:`Collector`; ``scaler.update`` reads them all back at once
+During a step the hooks only queue device values (a loss, the aminmax pairs of outputs and gradients, the scale,
+GradScaler's found-inf flags) in a :class:`~.collector.Collector`; ``scaler.update`` reads them all back at once
 (``update`` synchronises anyway) and :func:`step_record` turns the numbers into the step's record.
 """
 
@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -22,10 +21,12 @@ from ..capture.cleanup import uninterrupted
 from ..capture.state import RngState
 from ..capture.walk import iter_tensors
 from ..records import FrozenMap, StepRecord
+from .collector import SCATTER_PAIRS, Collector, Folded, Pair, PairKey, PairKind, bad_pair, fold_pairs
 from .fastpath import Slabs, remove_handles
 
-# What a (lo, hi) pair of the collector measures: a root output, a module output, or an output's gradient.
-PairKind = Literal["root", "out", "grad", "op"]  # "op": an op inside a module (.optrack), module "<module>:<op>#<n>"
+__all__ = [  # the collector's names, for the modules and tests that import them from here
+    "SCATTER_PAIRS", "Collector", "Folded", "Pair", "PairKey", "PairKind", "bad_pair", "fold_pairs",
+]
 
 
 @dataclass
@@ -71,137 +72,6 @@ class MicroBatch:
         return self.out_grads
 
 
-# What a pair is: its kind, its module ("" the root) and whether the tensor was in the low-precision format.
-PairKey = tuple[PairKind, str, bool]
-# One measured (lo, hi) pair: what it measures, the module ("" the root), its values, and whether the tensor was
-# in the low-precision format.
-Pair = tuple[PairKind, str, float, float, bool]
-
-
-class Collector:
-    """What one step measured, read back in one transfer per device: (lo, hi) pairs written into the watch's
-    preallocated :class:`~.fastpath.Slabs` (no tensor per pair), and other device values (0-d, or 1-D blocks such
-    as a compiled model's statistics buffer), with what each one is."""
-
-    def __init__(self, slabs: Optional[Slabs] = None) -> None:
-        self.slabs = slabs if slabs is not None else Slabs()
-        self.values: list[torch.Tensor] = []  # 0-d, or 1-D blocks (each spans block.numel() numbers)
-        self._starts: list[int] = []  # index of each value's first number
-        # Per pair, in parallel lists: the index of its lo, and its key (kind, module, low dtype): a tuple made once
-        # per module and dtype by the hooks, so a pair allocates nothing the garbage collector tracks (with
-        # statistics every step, a tuple per tensor made collections of the whole heap a measurable share of it).
-        self._at: list[int] = []
-        self._keys: list[PairKey] = []
-        self.size = 0  # numbers in all values and pairs
-        self.small: list[tuple[int, int]] = []  # (index of [zeros, below tiny], numel) of low-precision gradients
-
-    def add(self, value: torch.Tensor) -> int:
-        """A 0-d value, or a 1-D block; returns the index of its (first) number."""
-        index = self.size
-        self.values.append(value)
-        self._starts.append(index)
-        self.size = index + value.numel()
-        return index
-
-    def pair(self, kind: PairKind, module: str, t: torch.Tensor, low: bool) -> int:
-        """The (lo, hi) of ``t`` (detached), one pass on the device; returns the index of lo (hi follows)."""
-        return self.put((kind, module, low), t)
-
-    def put(self, key: PairKey, t: torch.Tensor) -> int:
-        """:meth:`pair` with its key made beforehand (the hooks' hot path: one call, nothing allocated but
-        Python ints). ``aminmax`` writes straight into the next row of the watch's slab for ``t``'s device and
-        dtype."""
-        slabs = self.slabs
-        slab = slabs.last
-        if slabs.owner is not self or slab.dtype is not t.dtype or slab.device != t.device:
-            slab = slabs.find(self, t)  # a new step's first pair, or another dtype or device than the last
-        i = slab.used
-        if i == len(slab.rows):
-            slab.grow()
-        torch.aminmax(t, out=slab.rows[i])  # one pass; NaN and inf show up in the result
-        slab.used = i + 1
-        at = self.size
-        self.size = at + 2
-        slab.ats.append(at)
-        self._at.append(at)
-        self._keys.append(key)
-        return at
-
-    def underflow(self, g: torch.Tensor) -> None:
-        """Count a low-precision gradient's zeros and its values below the smallest normal (two reductions)."""
-        tiny = torch.finfo(g.dtype).tiny
-        self.small.append((self.add(torch.stack([(g == 0).sum(), (g.abs() < tiny).sum()])), g.numel()))
-
-    def underflow_share(self, numbers: list[float]) -> Optional[float]:
-        """Of the nonzero low-precision gradient values counted, the share below the smallest normal (subnormal:
-        losing bits, and flushed to zero by the next halving of the scale); None when none was counted."""
-        nonzero = sum(n - numbers[i] for i, n in self.small)
-        if not self.small or nonzero <= 0:
-            return None
-        return sum(numbers[i + 1] - numbers[i] for i, _ in self.small) / nonzero
-
-    def pairs(self, numbers: list[float]) -> list[Pair]:
-        return [(key[0], key[1], numbers[i], numbers[i + 1], key[2]) for i, key in zip(self._at, self._keys)]
-
-    def read(self) -> list[float]:
-        """Every number as a Python float: per device one ``cat`` of the slabs' used rows and the other values,
-        widened to float64 (exact for every floating format), and one ``tolist``. The numbers go to their indices
-        by a Python loop when the pairs are few, else by one scatter on the host (no loop over hundreds of pairs:
-        statistics every step on a deep model)."""
-        if not self.size:
-            return []
-        by_device: dict[torch.device, list[tuple[torch.Tensor, Optional[array[int]], int]]] = {}
-        for flat_pairs, pair_ats in self.slabs.blocks(self):  # pairs: lo at each index in ats, hi right after
-            by_device.setdefault(flat_pairs.device, []).append((flat_pairs, pair_ats, 0))
-        for v, start in zip(self.values, self._starts):
-            by_device.setdefault(v.device, []).append((v.detach().reshape(-1), None, start))
-        numbers: list[float] = [math.nan] * self.size
-        for parts in by_device.values():  # one device, unless the model is split across devices
-            flat = torch.cat([p.to(torch.float64) for p, _, _ in parts]) if len(parts) > 1 else parts[0][0].double()
-            if sum(len(ats) for _, ats, _ in parts if ats is not None) >= SCATTER_PAIRS:
-                _scatter(numbers, flat.cpu(), parts)
-                continue
-            values = flat.tolist()
-            k = 0
-            for block, ats, start in parts:
-                if ats is not None:
-                    for at in ats:
-                        numbers[at] = values[k]
-                        numbers[at + 1] = values[k + 1]
-                        k += 2
-                else:
-                    n = block.numel()
-                    numbers[start : start + n] = values[k : k + n]
-                    k += n
-        return numbers
-
-
-# From this many pairs on a device, the read-back places its numbers by a scatter on the host (a few fixed-cost
-# tensor ops) rather than a Python loop over the pairs (about a tenth of a microsecond each).
-SCATTER_PAIRS = 256
-
-
-def _scatter(
-    numbers: list[float], flat: torch.Tensor, parts: list[tuple[torch.Tensor, Optional[array[int]], int]]
-) -> None:
-    """Put one device's numbers (``flat``, float64 on the host, in the order of ``parts``) at their indices."""
-    places = []
-    for block, ats, start in parts:
-        if ats is not None:
-            at = torch.frombuffer(ats, dtype=torch.long)  # no copy: used at once
-            places.append(torch.stack((at, at + 1), 1).reshape(-1))
-        else:
-            places.append(torch.arange(start, start + block.numel()))
-    if len(numbers) == flat.numel():  # the only device: every index is filled
-        out = torch.empty(len(numbers), dtype=torch.float64)
-        out[torch.cat(places)] = flat
-        numbers[:] = out.tolist()
-        return
-    index = torch.cat(places).tolist()
-    for i, value in zip(index, flat.tolist()):
-        numbers[i] = value
-
-
 @dataclass
 class StepState:
     """What the hooks gather during one step; the watch starts a fresh one at each step boundary."""
@@ -243,16 +113,28 @@ class StepState:
         scale_before = next(tail) if isinstance(before, torch.Tensor) else float(before or 1.0)
         scale_after = next(tail) if isinstance(after, torch.Tensor) else float(after or scale_before)
         scales = StepScales(scale_before, scale_after, sum(numbers[i] for i in found_slots) if found else None)
-        pairs = collector.pairs(numbers)
-        self.pairs, self.numbers = pairs, numbers
+        # the forecast's pairs: on a sampled step only the ops' (the record's maxima cover the modules), else all
+        # (the root's and the few tracked modules')
+        pairs = collector.op_pairs(numbers) if sampled else collector.pairs(numbers)
+        self.numbers = numbers
         weight_norm: dict[str, float] = {}
+        extra_pairs: list[Pair] = []
         for extra, at in zip(extras, extra_slots):
             decoded = extra.decode(numbers[at : at + extra.tensor.numel()])
-            pairs += decoded.pairs
+            extra_pairs += decoded.pairs
             weight_norm.update(decoded.weight_norm)
+        pairs += extra_pairs
+        self.pairs = pairs
+        folded = Folded(self.out_max)
+        if sampled:
+            collector.fold(numbers, scales.before, folded)
+            if extra_pairs:
+                fold_pairs(
+                    [(kind, module, low) for kind, module, _, _, low in extra_pairs], range(0, 2 * len(extra_pairs), 2),
+                    [v for _, _, lo, hi, _ in extra_pairs for v in (lo, hi)], scales.before, folded,
+                )
         record, bad = step_record(
-            step, rank, numbers, pairs, list(self.micro), self.orphan_losses, sampled, self.forwards, scales,
-            self.out_max,
+            step, rank, numbers, list(self.micro), self.orphan_losses, sampled, self.forwards, scales, folded,
         )
         return dataclasses.replace(record, weight_norm=FrozenMap(weight_norm)) if weight_norm else record, bad
 
@@ -273,11 +155,6 @@ class Extra:
     decode: Callable[[list[float]], Decoded]
 
 
-def bad_pair(lo: float, hi: float) -> bool:
-    """Non-finite, unless the only non-finite values are ``-inf`` (an additive mask, not an overflow)."""
-    return math.isnan(lo) or math.isnan(hi) or hi == math.inf
-
-
 @dataclass(frozen=True)
 class StepScales:
     """The scale before and after ``update`` and the sum of GradScaler's found-inf flags (None: not read)."""
@@ -291,17 +168,15 @@ def step_record(
     step: int,
     rank: int,
     numbers: list[float],
-    pairs: list[Pair],
     micro: list[MicroBatch],
     orphans: list[int],
     sampled: bool,
     forwards: int,
     scales: StepScales,
-    out_max: Optional[dict[str, float]] = None,
+    folded: Optional[Folded] = None,
 ) -> tuple[StepRecord, list[bool]]:
-    """The step's record from the numbers read back, and which micro-batches had a non-finite forward.
-    ``out_max``: a dict to fill with the record's output maxima (a plain dict for the forecast to read: a
-    record's FrozenMap reads each key through a Python call).
+    """The step's record from the numbers read back and, on a sampled step, its pairs ``folded`` per module
+    (:func:`fold_pairs`); and which micro-batches had a non-finite forward.
 
     ``orphans`` are losses seen by ``scaler.scale`` without a root forward of this step (kept for the mean loss).
     """
@@ -315,32 +190,7 @@ def step_record(
     ]
     forward_finite = not any(bad_micro) and all(math.isfinite(numbers[i]) for i in orphans)
     skipped = scales.found_inf > 0 if scales.found_inf is not None else scales.after < scales.before
-    out_max = {} if out_max is None else out_max
-    grad_max: dict[str, float] = {}
-    bad_out: list[str] = []
-    bad_grad: list[str] = []
-    if sampled:  # one plain loop over every pair of the step: no call per pair
-        inf, before = math.inf, scales.before
-        for kind, module, lo, hi, low in pairs:  # a "root" pair is the root's output (module "")
-            if kind == "op":
-                continue  # op trends are the forecast's (.optrack), not the step record's
-            if lo != lo or hi != hi or hi == inf:  # bad_pair, inline: NaN, or +inf (a -inf alone is a mask)
-                bad = bad_grad if kind == "grad" else bad_out
-                if module not in bad:
-                    bad.append(module)
-                continue
-            if not low:
-                continue  # only tensors in the low-precision format can overflow it
-            value = hi if hi >= 0 else -hi
-            if lo != -inf and -lo > value:  # -inf masks: the finite side
-                value = -lo
-            if kind == "grad":
-                if before:
-                    value /= before  # gradients are stored unscaled, like everywhere else
-                if value > grad_max.get(module, -1.0):
-                    grad_max[module] = value
-            elif value > out_max.get(module, -1.0):
-                out_max[module] = value
+    f = folded if folded is not None and sampled else Folded()
     record = StepRecord(
         step=step,
         scale=scales.before,
@@ -351,12 +201,12 @@ def step_record(
         new_scale=scales.after,
         micro_batches=forwards,
         sampled=sampled,
-        out_abs_max=FrozenMap(out_max),
-        grad_abs_max=FrozenMap(grad_max),
-        nonfinite_outputs=tuple(bad_out),
-        nonfinite_grads=tuple(bad_grad),
+        out_abs_max=FrozenMap(f.out_max),
+        grad_abs_max=FrozenMap(f.grad_max),
+        nonfinite_outputs=tuple(f.bad_out),
+        nonfinite_grads=tuple(f.bad_grad),
         # this rank's own forward, or its own gradients before any all-reduce, went non-finite
-        local_nonfinite=not forward_finite or bool(bad_out) or bool(bad_grad),
+        local_nonfinite=not forward_finite or bool(f.bad_out) or bool(f.bad_grad),
     )
     return record, bad_micro
 
@@ -436,6 +286,8 @@ def scale_value(scaler: Any) -> Union[torch.Tensor, float]:
         return 1.0
     tensor = getattr(scaler, "_scale", None)
     if isinstance(tensor, torch.Tensor):
+        if tensor.numel() == 1 and not tensor.requires_grad:
+            return tensor.clone()  # one number (the read-back takes 1-D values as they are): one op
         return tensor.detach().clone().reshape(())
     return float(scaler.get_scale())
 
@@ -448,5 +300,5 @@ def found_inf_flags(scaler: Any) -> list[torch.Tensor]:
     found = []
     for state in states.values():
         per_device = state.get("found_inf_per_device", {}) if isinstance(state, Mapping) else {}
-        found += [v.reshape(()) for v in per_device.values() if isinstance(v, torch.Tensor)]
+        found += [v for v in per_device.values() if isinstance(v, torch.Tensor) and v.numel() == 1]
     return found
