@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 
 from ..records import TensorStats, survey_stats
-from ..thresholds import HIST_HIGH, HIST_LOW
+from ..records.histograms import BinadeHistograms, HistogramRows
+from .binades import HIST_CHUNK as HIST_CHUNK
+from .binades import RowQueue, binade_histogram, named_histograms
 from .dtypes import dtype_name
 from .internal import INTERNAL as INTERNAL  # re-exported: where capture's users have always found it
 from .internal import Internal as Internal
@@ -46,9 +49,7 @@ DETAIL_FIELDS = SURVEY_FIELDS + (
 )
 # Histograms of large tensors go chunk by chunk in pieces this small (their scratch stays in the cache), and
 # tensors up to this size are histogrammed together (``add_many``).
-HIST_CHUNK = BATCH_EACH = 1 << 16
-# Gradient histograms (``HIST_BINS``, from .staging): bin 1 + k - HIST_LOW counts binade 2**k for
-# HIST_LOW <= k < HIST_HIGH; bin 0 everything nonzero below 2**HIST_LOW, the last bin everything finite above.
+BATCH_EACH = 1 << 16
 # Histograms of this many small tensors at most are computed together (their scratch: HIST_BINS counts each).
 HIST_GROUP = 1024
 # Counts computed per chunk by _detail_chunk, in this order; then finite_min, finite_max, min_abs_nonzero.
@@ -75,15 +76,13 @@ class StatsCollector:
         self._cpu_stages: dict[torch.dtype, Stage] = {}  # the same CPU stages, by dtype only (the hot path)
         # The running binade histogram of every gradient given to add_gradient_histogram, per device.
         self._gradient_hist: dict[torch.device, torch.Tensor] = {}
-        self.gradient_histogram: Optional[list[float]] = None  # their sum, after read() (None: none given)
+        self.gradient_histogram: Optional[list[int]] = None  # their sum, after read() (None: none given)
         # Per device: min, max, nonzero counts, and NaN-ignoring sums (which tell an inf behind a NaN min/max).
         self._survey: dict[
             torch.device, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
         ] = {}
         self._details: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._hists: list[tuple[torch.device, int]] = []
-        self._hist_values: dict[torch.device, list[torch.Tensor]] = {}  # blocks of rows, (n, HIST_BINS) each
-        self._hist_rows: dict[torch.device, int] = {}
+        self._hist_rows = RowQueue()  # add_histogram's rows
         self._batches: list[Segments] = []  # add_many's small tensors, reduced together
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int]] = {}
         self._value_groups: list[tuple[torch.device, int, int]] = []
@@ -92,7 +91,8 @@ class StatsCollector:
         self._vector_slots: list[tuple[torch.device, int, int]] = []
         self.vectors: list[list[float]] = []  # in add_vector order, after read()
         self.values: list[list[float]] = []
-        self.histograms: list[list[float]] = []  # counts (ints), in add_histogram order
+        # Counts in add_histogram order (row i: a list of HIST_BINS ints), stored sparse, after read()
+        self.histograms = HistogramRows.empty(HIST_BINS)
         self.readbacks = 0
 
     def add(self, tensor: torch.Tensor, detailed: Optional[bool] = None) -> int:
@@ -259,44 +259,17 @@ class StatsCollector:
         return counts, extremes
 
     # -- gradient histograms ------------------------------------------------------------------------------------
-    def _histogram(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The binade histogram (int64, ``HIST_BINS``) of ``tensor``'s nonzero finite values: a bincount of the
-        float32 exponent field, chunk by chunk (four kernels a chunk), folded into ``HIST_BINS`` at the end."""
-        x = tensor.detach()
-        total: Optional[torch.Tensor] = None
-        for c in chunks(x, HIST_CHUNK):
-            w = c.float() if c.dtype != torch.float32 else c  # float64 magnitudes beyond float32 go to the ends
-            exponent = (w.view(torch.int32) >> 23).bitwise_and_(0xFF)  # 0: zero/subnormal, 255: inf/NaN
-            part = torch.bincount(exponent.reshape(-1), minlength=256)
-            total = part if total is None else total.add_(part)
-        assert total is not None
-        # Binade 2**k is biased exponent k + 127. Exponent 0 holds the zeros (dropped here) and float32 subnormals
-        # (and float64 values too small for float32), which belong to the bottom bin; 255 holds inf and NaN.
-        low, high = HIST_LOW + 127, HIST_HIGH + 127
-        zeros = x.numel() - torch.count_nonzero(x)
-        below = total[1:low].sum() + total[0] - zeros
-        return torch.cat((below.reshape(1), total[low:high], total[high:255].sum().reshape(1)))
-
     def add_histogram(self, tensor: torch.Tensor) -> int:
         """Queue the binade histogram of ``tensor``'s nonzero finite values (layout: ``HIST_BINS``), read back with
         everything else into ``histograms``; returns its index there."""
-        return self._add_rows(self._histogram(tensor).reshape(1, HIST_BINS))
-
-    def _add_rows(self, rows: torch.Tensor) -> int:
-        """Queue a block of histogram rows; returns the index (in ``histograms``) of its first."""
-        device = rows.device
-        self._hist_values.setdefault(device, []).append(rows)
-        first = self._hist_rows.get(device, 0)
-        self._hist_rows[device] = first + rows.shape[0]
-        self._hists += [(device, first + i) for i in range(rows.shape[0])]
-        return len(self._hists) - rows.shape[0]
+        return self._hist_rows.add(binade_histogram(tensor).reshape(1, HIST_BINS))
 
     def add_gradient_histogram(self, tensor: torch.Tensor) -> None:
         """Add the binade histogram of ``tensor`` to the running total :attr:`gradient_histogram` (after read()):
         what the loss-scale predictions read of the activations' gradients is their sum, so no histogram per
         gradient is kept or read back."""
         total = self._gradient_total(tensor.device)
-        total += self._histogram(tensor)
+        total += binade_histogram(tensor)
 
     def _gradient_total(self, device: torch.device) -> torch.Tensor:
         total = self._gradient_hist.get(device)
@@ -321,7 +294,7 @@ class StatsCollector:
             part = batchable[start : start + group]
             segments, rows = self._batch(part, histograms)
             self._batches.append(segments)
-            first = self._add_rows(rows) if rows is not None else -1
+            first = self._hist_rows.add(rows) if rows is not None else -1
             where.update((id(t), (segments, i, first + i if rows is not None else -1)) for i, t in enumerate(part))
         out = []
         for t in tensors:
@@ -381,9 +354,10 @@ class StatsCollector:
         # Staged tensors (flushed now: a few kernels each) and add_many's batches: one value per tensor in 1-D.
         stages: dict[Any, Any] = {stage: stage.statistics() for stage in self._stages.values()}
         stages.update((batch, batch.statistics()) for batch in self._batches)
-        devices = {*self._survey, *self._details, *self._values, *self._hist_values, *self._vectors,
+        waiting = self._hist_rows.waiting()  # histogram rows still on their device (not the CPU)
+        devices = {*self._survey, *self._details, *self._values, *(b.device for b in waiting), *self._vectors,
                    *self._gradient_hist, *(owner.device for owner in stages)}
-        host: dict[Any, dict[str, list[Any]]] = {}
+        host: dict[Any, dict[str, Any]] = {}
         for device in devices:
             # Mixed dtypes promote in cat: fp16/bf16/fp32 values and counts below 2**53 are exact in float64.
             wide = torch.float32 if device.type == "mps" else torch.float64
@@ -402,9 +376,9 @@ class StatsCollector:
             if detail and detail[0]:
                 parts.append((device, "counts", torch.stack(detail[0]).to(wide).reshape(-1), len(_COUNTS)))
                 parts.append((device, "extremes", torch.stack(detail[1]).to(wide).reshape(-1), 3))
-            hists = self._hist_values.get(device)
+            hists = [b for b in waiting if b.device == device]
             if hists:
-                parts.append((device, "hists", torch.cat(hists).to(wide).reshape(-1), -HIST_BINS))
+                parts.append((device, "hists", torch.cat(hists).to(wide).reshape(-1), 0))
             total = self._gradient_hist.get(device)
             if total is not None:
                 parts.append((device, "gradient_hist", total.to(wide), -HIST_BINS))
@@ -421,8 +395,10 @@ class StatsCollector:
             numbers = torch.cat([p for _, _, p, _ in parts]).cpu()
             self.readbacks += 1
             for (owner, name, _part, width), piece in zip(parts, numbers.split([p.numel() for _, _, p, _ in parts])):
-                if width < 0:  # counts
-                    values: list[Any] = piece.to(torch.int64).view(-1, -width).tolist()
+                if width == 0:  # histogram rows: dense here, sparse below
+                    values: Any = piece.view(-1, HIST_BINS).numpy()
+                elif width < 0:  # counts
+                    values = piece.to(torch.int64).view(-1, -width).tolist()
                 else:
                     values = piece.tolist() if width == 1 else piece.view(-1, width).tolist()
                 host.setdefault(owner, {})[name] = values
@@ -450,7 +426,7 @@ class StatsCollector:
         self.gradient_histogram = [sum(bins) for bins in zip(*gradient)] if gradient else None
         self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]
         self.vectors = [host[device]["vectors"][start : start + n] for device, start, n in self._vector_slots]
-        self.histograms = [host[device]["hists"][index] for device, index in self._hists]
+        self.histograms = self._hist_rows.rows({d: data["hists"] for d, data in host.items() if "hists" in data})
         self._release()
         return records
 
@@ -462,11 +438,17 @@ class StatsCollector:
         self._cpu_stages.clear()
         self._survey.clear()
         self._details.clear()
-        self._hist_values.clear()
+        self._hist_rows = RowQueue()
         self._batches.clear()
         self._values.clear()
         self._vectors.clear()
         self._gradient_hist.clear()
+
+    def named_histograms(self, rows: Iterable[tuple[str, int]], total: Optional[str] = None) -> BinadeHistograms:
+        """After read(): the histograms of ``rows`` ((name, index) pairs; a name given twice keeps its first place
+        and its last row, as a dict would) by name, and :attr:`gradient_histogram` under ``total`` when there is
+        one. Nothing dense is built."""
+        return named_histograms(self.histograms, rows, total, self.gradient_histogram)
 
     def nbytes(self, slot: int) -> int:
         """Bytes of the tensor measured in ``slot`` (from its recorded shape and dtype)."""

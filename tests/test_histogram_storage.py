@@ -1,0 +1,139 @@
+"""Binade histograms stored sparse (records.histograms, capture.binades; issue 22's memory): the rows a pass reads
+back are the dense per-parameter lists they were, by index and by name, and the loss predictions made from them
+equal those made from plain lists."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ampdoctor.analysis.prediction import LossPrediction
+from ampdoctor.capture.binades import named_histograms
+from ampdoctor.capture.options import PassOptions
+from ampdoctor.capture.passes import PassSpec, SharedForward, run_pass
+from ampdoctor.capture.staging import HIST_BINS
+from ampdoctor.capture.state import StateGuard
+from ampdoctor.capture.stats import StatsCollector
+from ampdoctor.records.histograms import BinadeHistograms, HistogramRows
+from ampdoctor.thresholds import GRADIENT_KEY, HIST_HIGH, HIST_LOW
+
+
+def _binades(t: torch.Tensor) -> list[int]:
+    """The histogram layout, by numpy in float64: nonzero finite |x| by binade, the ends folded."""
+    a = np.abs(t.detach().double().numpy().reshape(-1))
+    a = a[np.isfinite(a) & (a > 0)]
+    hist = [0] * HIST_BINS
+    for k in np.floor(np.log2(a)).astype(int):
+        hist[0 if k < HIST_LOW else (HIST_BINS - 1 if k >= HIST_HIGH else 1 + k - HIST_LOW)] += 1
+    return hist
+
+
+def test_rows_round_trip_dense_blocks_and_take() -> None:
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(0, 5, size=(n, 7)) * (rng.random((n, 7)) < 0.3) for n in (3, 1, 0, 4)]
+    blocks[0][1] = 0  # an empty row
+    blocks[3][2, 6] = 2**40  # a count beyond int32: kept exactly
+    rows = HistogramRows.from_dense(blocks, 7)
+    dense = np.concatenate(blocks)
+    assert len(rows) == 8
+    assert [rows[i] for i in range(8)] == dense.tolist()
+    assert all(isinstance(v, int) for v in rows[7])
+    picked = rows.take([5, 0, 5, 1])
+    assert [picked[i] for i in range(4)] == dense[[5, 0, 5, 1]].tolist()
+    assert len(rows.take([])) == 0
+    assert rows.nbytes < dense.nbytes
+    with pytest.raises(IndexError):
+        rows.dense(8)
+
+
+def test_names_keep_dict_semantics() -> None:
+    table = HistogramRows.from_dense([np.arange(3 * HIST_BINS).reshape(3, HIST_BINS) % 3], HIST_BINS)
+    total = [1] * HIST_BINS
+    named = named_histograms(table, [("a", 0), ("b", 1), ("a", 2)], GRADIENT_KEY, total)
+    expected = {"a": table[2], "b": table[1], GRADIENT_KEY: total}  # as a dict comprehension builds it
+    assert isinstance(named, BinadeHistograms)
+    assert list(named) == list(expected) and dict(named) == expected
+    assert "a" in named and "c" not in named
+    assert dict(named_histograms(table, [("b", 1)], GRADIENT_KEY, None)) == {"b": table[1]}
+    assert not named_histograms(HistogramRows.empty(HIST_BINS), [], GRADIENT_KEY, None)
+
+
+def test_collector_rows_equal_numpy_binades_in_add_order() -> None:
+    torch.manual_seed(0)
+    small = [torch.randn(4, 4) * 2.0**e for e in (-30, 0, 12)] + [torch.zeros(5), torch.randn(7).half()]
+    large = torch.randn(70000) * 2.0**-8
+    large[::5] = 0.0
+    collector = StatsCollector(torch.float16, False, zeros=False)
+    first = collector.add_histogram(large)
+    batched = collector.add_many(small, histograms=True)
+    last = collector.add_histogram(small[1] * 3)
+    collector.read()
+    assert collector.histograms[first] == _binades(large)
+    assert [collector.histograms[h] for _, h in batched] == [_binades(t) for t in small]
+    assert collector.histograms[last] == _binades(small[1] * 3)
+
+
+def test_a_survey_pass_reads_every_parameter_gradients_histogram() -> None:
+    # The histograms of a real pass equal numpy's binades of the same gradients taken by hand (same autocast
+    # forward, same scale), by parameter name, with the low-precision gradients' sum under GRADIENT_KEY.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batch = torch.randn(5, 8)
+    spec = PassSpec(
+        root=model, names={id(m): n for n, m in model.named_modules()}, params=list(model.named_parameters()),
+        batch=batch, loss_fn=lambda out, _b: out.float().pow(2).mean(), device_type="cpu", dtype=torch.float16,
+        backward=True,
+    )
+    guard = StateGuard(model, spec.params)
+    share = SharedForward()
+    try:
+        run_pass(spec, 1024.0, PassOptions(histograms=2), guard, share=share)
+        got = share.histograms
+    finally:
+        share.release()
+    guard.restore()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(batch)
+    loss = out.float().pow(2).mean()
+    grads = torch.autograd.grad(loss * torch.tensor(1024.0), [p for _, p in spec.params])
+    assert isinstance(got, BinadeHistograms)
+    assert set(got) == {*(n for n, _ in spec.params), GRADIENT_KEY}
+    for (name, _), grad in zip(spec.params, grads):
+        assert got[name] == _binades(grad), name
+    assert sum(got[GRADIENT_KEY]) > 0  # the float16 activation gradients' values
+
+
+def _lost(hists: dict[str, list[int]], names: list[str], at: int, flush: int, exponent: int) -> int:
+    # Bin i holds binade HIST_LOW + i - 1; it is lost at 2**exponent when HIST_LOW + i + (exponent - at) <= flush.
+    return sum(c for n in names for i, c in enumerate(hists[n]) if HIST_LOW + i + (exponent - at) <= flush)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_predictions_from_sparse_rows_match_the_scalar_definitions(seed: int) -> None:
+    rng = random.Random(seed)
+    owners = {f"m{i}.{p}": f"m{i}" for i in range(5) for p in ("weight", "bias")}
+    hists: dict[str, list[int]] = {}
+    for name in [*owners, "loose", GRADIENT_KEY, GRADIENT_KEY + "2"]:
+        hist = [0] * HIST_BINS
+        for _ in range(rng.randint(0, 30)):
+            hist[rng.randint(60, 129)] += rng.randint(1, 9)
+        hists[name] = hist
+    names = list(hists)
+    table = BinadeHistograms(names, HistogramRows.from_dense([np.asarray([hists[n] for n in names])], HIST_BINS))
+    assert dict(table) == hists
+    at, flush = 16, -25
+    prediction = LossPrediction(table, at, flush, owners)
+    params = [n for n in names if not n.startswith(GRADIENT_KEY)]
+    gradients = [n for n in names if n.startswith(GRADIENT_KEY)]
+    total = sum(sum(hists[n]) for n in gradients)
+    for exponent in range(-6, 30):
+        lost = _lost(hists, gradients, at, flush, exponent)
+        assert prediction.gradient_share(exponent) == (lost / total if total else 0.0)
+        assert prediction.lost(exponent) == _lost(hists, params, at, flush, exponent)
+        for module in ("m0", "m4", "loose", "absent"):
+            mine = [n for n in params if owners.get(n, n) == module]
+            assert prediction.lost(exponent, module) == _lost(hists, mine, at, flush, exponent)
