@@ -72,6 +72,10 @@ class StatsCollector:
         # Per slot: (dtype name, shape, device or its Stage, or None when not measured, index in its lists, level,
         # zero index); level 0: min/max, 1: min/max and zeros, 2: detailed; 3 and 4: 0 and 1, staged.
         self._slots: list[tuple[str, tuple[int, ...], Any, int, int, int]] = []
+        self._read_slots = 0  # slots whose records read() returned (their bookkeeping is gone)
+        # One tuple per distinct shape, shared by every slot and record of that shape (a model of many small
+        # modules has a handful of shapes for its hundred thousand tensors).
+        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._stages: dict[tuple[torch.device, torch.dtype], Stage] = {}
         self._cpu_stages: dict[torch.dtype, Stage] = {}  # the same CPU stages, by dtype only (the hot path)
         # The running binade histogram of every gradient given to add_gradient_histogram, per device.
@@ -94,6 +98,12 @@ class StatsCollector:
         # Counts in add_histogram order (row i: a list of HIST_BINS ints), stored sparse, after read()
         self.histograms = HistogramRows.empty(HIST_BINS)
         self.readbacks = 0
+
+    def _shape(self, size: tuple[int, ...]) -> tuple[int, ...]:
+        shape = self._shapes.get(size)
+        if shape is None:
+            shape = self._shapes[size] = tuple(size)
+        return shape
 
     def add(self, tensor: torch.Tensor, detailed: Optional[bool] = None) -> int:
         level = 2 if (self.detailed if detailed is None else detailed) else int(self.zeros)
@@ -139,7 +149,7 @@ class StatsCollector:
         finally:
             _internal.depth = depth
         slots = self._slots
-        slots.append((_NAMES[dtype], tuple(tensor.shape), stage, index, level + 3, -1))
+        slots.append((_NAMES[dtype], self._shape(tensor.shape), stage, index, level + 3, -1))
         slot = len(slots) - 1
         try:
             self._seen[key] = (weakref.ref(tensor), version, level, slot)
@@ -160,8 +170,8 @@ class StatsCollector:
                 stage = self._cpu_stages.get(dtype)
                 if stage is not None:
                     slots = self._slots
-                    slots.append((_NAMES[dtype], tuple(x.shape), stage, stage.add(x, histogram), int(self.zeros) + 3,
-                                  -1))
+                    slots.append((_NAMES[dtype], self._shape(x.shape), stage, stage.add(x, histogram),
+                                  int(self.zeros) + 3, -1))
                     return len(slots) - 1
             return self._measure(x, 2 if self.detailed else int(self.zeros), histogram)
         finally:
@@ -177,9 +187,9 @@ class StatsCollector:
                 stage = self._stages[(x.device, dtype)] = self._cpu_stages[dtype] = Stage(
                     dtype, x.device, self._gradient_total)
             slots = self._slots
-            slots.append((_NAMES[dtype], tuple(x.shape), stage, stage.add(x, histogram), level + 3, -1))
+            slots.append((_NAMES[dtype], self._shape(x.shape), stage, stage.add(x, histogram), level + 3, -1))
             return len(slots) - 1
-        shape = tuple(x.shape)
+        shape = self._shape(x.shape)
         name = _NAMES.get(dtype) or dtype_name(dtype)
         if dtype not in _DIRECT and (not x.is_floating_point() or x.is_complex()) or numel == 0:
             self._slots.append((name, shape, None, -1, 0, -1))
@@ -304,7 +314,8 @@ class StatsCollector:
                 out.append((self._measure(t.detach(), 1), hist))
                 continue
             segments, i, hist = found
-            self._slots.append((_NAMES.get(t.dtype) or dtype_name(t.dtype), tuple(t.shape), segments, i, 4, -1))
+            self._slots.append((_NAMES.get(t.dtype) or dtype_name(t.dtype), self._shape(t.shape), segments, i, 4,
+                                -1))
             out.append((len(self._slots) - 1, hist))
         return out
 
@@ -432,7 +443,11 @@ class StatsCollector:
 
     def _release(self) -> None:
         """After the one readback: the per-slot bookkeeping and the queued device values go (a kept graph's
-        next backward gets a collector of its own); ``nbytes`` and ``len`` still answer."""
+        next backward gets a collector of its own), the slots' too (``len`` still answers; ``nbytes`` answers
+        before the readback only)."""
+        self._read_slots += len(self._slots)
+        self._slots = []
+        self._shapes = {}
         self._seen.clear()
         self._stages.clear()
         self._cpu_stages.clear()
@@ -451,12 +466,14 @@ class StatsCollector:
         return named_histograms(self.histograms, rows, total, self.gradient_histogram)
 
     def nbytes(self, slot: int) -> int:
-        """Bytes of the tensor measured in ``slot`` (from its recorded shape and dtype)."""
-        name, shape = self._slots[slot][:2]
+        """Bytes of the tensor measured in ``slot`` (from its recorded shape and dtype), before read()."""
+        if slot < self._read_slots:
+            raise IndexError(f"slot {slot} was read back already: its shape is in its record")
+        name, shape = self._slots[slot - self._read_slots][:2]
         return math.prod(shape) * _ITEMSIZE.get(name, 4)
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return self._read_slots + len(self._slots)
 
 
 _BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
