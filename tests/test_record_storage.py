@@ -9,6 +9,7 @@ import math
 import torch
 
 from ampdoctor.capture.hooks import GradSeen
+from ampdoctor.capture.reductions import shared_float
 from ampdoctor.capture.stats import StatsCollector
 from ampdoctor.capture.trace_build import grad_events
 
@@ -60,3 +61,18 @@ def test_one_shape_tuple_per_shape_and_no_slot_bookkeeping_after_the_readback() 
     assert [records[s].shape for s in slots] == [tuple(t.shape) for t in tensors]
     assert len(collector) == len(records) == 7  # still answers
     assert collector._slots == [] and collector._shapes == {}
+
+
+def test_extremes_are_one_float_object_per_value_and_zeros_keep_their_sign() -> None:
+    table: dict[float, float] = {}
+    a, b = shared_float(float("1.5"), table), shared_float(float.fromhex("0x1.8p0"), table)
+    assert a is b and a == 1.5
+    assert math.copysign(1.0, shared_float(-0.0, table)) == -1.0 and math.copysign(1.0, shared_float(0.0, table)) == 1.0
+    assert math.isnan(shared_float(math.nan, table)) and shared_float(math.inf, table) == math.inf
+    collector = StatsCollector(torch.float16, False)
+    tensors = [torch.tensor([0.0, 2.0]), torch.tensor([0.0, 2.0]), torch.tensor([-0.0, -3.0]).half()]
+    slots = [collector.add(t) for t in tensors]
+    records = collector.read()
+    first, second, third = (records[s] for s in slots)
+    assert first.min is second.min and first.max is second.max  # equal values, one object
+    assert (first.min, first.max, third.min) == (0.0, 2.0, -3.0) and math.copysign(1.0, third.max) == -1.0

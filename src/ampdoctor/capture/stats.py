@@ -29,7 +29,15 @@ from .internal import _internal
 from .internal import measuring as measuring
 from .reductions import CHUNK as CHUNK
 from .reductions import CHUNK_MAX as CHUNK_MAX
-from .reductions import _nansum32, behind_nan, detailed_record, format_limits, segment_extremes, segment_ids
+from .reductions import (
+    _nansum32,
+    behind_nan,
+    detailed_record,
+    format_limits,
+    segment_extremes,
+    segment_ids,
+    shared_float,
+)
 from .reductions import chunk_size as chunk_size
 from .reductions import chunks as chunks
 from .staging import HIST_BINS, STAGE_EACH, STAGED_DEVICES, STAGED_DTYPES, Segments, Stage, histogram_bins
@@ -369,6 +377,8 @@ class StatsCollector:
         devices = {*self._survey, *self._details, *self._values, *(b.device for b in waiting), *self._vectors,
                    *self._gradient_hist, *(owner.device for owner in stages)}
         host: dict[Any, dict[str, Any]] = {}
+        floats: dict[float, float] = {}
+        shared = shared_float
         for device in devices:
             # Mixed dtypes promote in cat: fp16/bf16/fp32 values and counts below 2**53 are exact in float64.
             wide = torch.float32 if device.type == "mps" else torch.float64
@@ -410,6 +420,8 @@ class StatsCollector:
                     values: Any = piece.view(-1, HIST_BINS).numpy()
                 elif width < 0:  # counts
                     values = piece.to(torch.int64).view(-1, -width).tolist()
+                elif name in _EXTREMES:  # one float object per distinct value in the records
+                    values = [shared(v, floats) for v in piece.tolist()]
                 else:
                     values = piece.tolist() if width == 1 else piece.view(-1, width).tolist()
                 host.setdefault(owner, {})[name] = values
@@ -479,6 +491,7 @@ class StatsCollector:
 _BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
 # What a Stage's statistics are called in read(): the survey's names (nonzero counts under "zero_count").
 _STAGED_FIELDS = ("min", "max", "nansum", "zero_count")
+_EXTREMES = frozenset({"min", "max"})  # the survey's fields that records keep as floats
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 

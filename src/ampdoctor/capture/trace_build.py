@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from ..records import GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStats
 from .hooks import Recorder
+from .reductions import shared_float
 
 # Records are built by the ten thousand on a model of many small modules: set only the fields that differ from the
 # class's defaults (frozen dataclasses keep their defaults on the class), as ``records.survey_stats`` does. The
@@ -76,6 +77,7 @@ def build_trace(
 def grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> tuple[GradEvent, ...]:
     """The gradients of one backward, in execution order, unscaled (the same gradient seen twice divided once)."""
     unscaled: dict[int, TensorStats] = {}
+    floats: dict[float, float] = {}  # one object per distinct value (``shared_float``)
     events: list[GradEvent] = []
     append = events.append
     for g in sorted(recorder.grads):
@@ -90,8 +92,8 @@ def grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> t
                 # nowhere else, divided in place (``scaled_down`` without a second record per gradient: 40,000
                 # records made only to be dropped on a model of 10,000 modules).
                 found = seen
-                _put(found, "min", lo / scale)
-                _put(found, "max", hi / scale)
+                _put(found, "min", shared_float(lo / scale, floats))
+                _put(found, "max", shared_float(hi / scale, floats))
             unscaled[g.slot] = found
         e = _new(GradEvent)
         _put(e, "order", g.order)
