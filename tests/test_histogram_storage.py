@@ -137,3 +137,25 @@ def test_predictions_from_sparse_rows_match_the_scalar_definitions(seed: int) ->
         for module in ("m0", "m4", "loose", "absent"):
             mine = [n for n in params if owners.get(n, n) == module]
             assert prediction.lost(exponent, module) == _lost(hists, mine, at, flush, exponent)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_columns_equal_the_table_of_losses(seed: int) -> None:
+    from ampdoctor.analysis.prediction import _Grouped
+
+    rng = np.random.default_rng(seed)
+    dense = rng.integers(0, 50, size=(40, 30)) * (rng.random((40, 30)) < 0.25)
+    dense[3] = 0  # a row (and maybe a group) with nothing stored
+    groups = rng.integers(0, 12, size=40)
+    groups[5] = -1  # left out
+    grouped = _Grouped(HistogramRows.from_dense([dense], 30), groups)
+    columns = np.sort(rng.integers(0, 32, size=9))
+    asked = np.asarray([0, 3, 7, 11, -1, 12, 4])  # 12: no row; -1: unknown
+    total = rng.integers(1, 400, size=len(asked)).astype(np.float64)
+    table = grouped.below_each(columns, 13)
+    for share in (0.0, 0.01, 0.1, 0.5, 2.0):
+        expected = [
+            int(np.cumprod([(table[g, j] if g >= 0 else 0.0) / t < share for j in range(len(columns))]).sum())
+            for g, t in zip(asked, total)
+        ]
+        assert grouped.kept_columns(columns, asked, total, share).tolist() == expected
