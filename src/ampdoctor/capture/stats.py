@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..records import TensorStats, survey_stats
+from ..records import TensorStats
 from ..records.histograms import BinadeHistograms, HistogramRows
 from .binades import HIST_CHUNK as HIST_CHUNK
 from .binades import RowQueue, binade_histogram, named_histograms
@@ -29,17 +29,10 @@ from .internal import _internal
 from .internal import measuring as measuring
 from .reductions import CHUNK as CHUNK
 from .reductions import CHUNK_MAX as CHUNK_MAX
-from .reductions import (
-    _nansum32,
-    behind_nan,
-    detailed_record,
-    format_limits,
-    segment_extremes,
-    segment_ids,
-    shared_float,
-)
+from .reductions import _nansum32, format_limits, segment_extremes, segment_ids, shared_float
 from .reductions import chunk_size as chunk_size
 from .reductions import chunks as chunks
+from .slot_table import SlotTable
 from .staging import HIST_BINS, STAGE_EACH, STAGED_DEVICES, STAGED_DTYPES, Segments, Stage, histogram_bins
 
 # Statistic names in the order records list them. The survey level takes one fused min/max and a zero count.
@@ -79,11 +72,8 @@ class StatsCollector:
         self._limits = format_limits(low_dtype)
         # Per slot: (dtype name, shape, device or its Stage, or None when not measured, index in its lists, level,
         # zero index); level 0: min/max, 1: min/max and zeros, 2: detailed; 3 and 4: 0 and 1, staged.
-        self._slots: list[tuple[str, tuple[int, ...], Any, int, int, int]] = []
+        self._slots = SlotTable()  # what each slot measured and where its numbers wait
         self._read_slots = 0  # slots whose records read() returned (their bookkeeping is gone)
-        # One tuple per distinct shape, shared by every slot and record of that shape (a model of many small
-        # modules has a handful of shapes for its hundred thousand tensors).
-        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._stages: dict[tuple[torch.device, torch.dtype], Stage] = {}
         self._cpu_stages: dict[torch.dtype, Stage] = {}  # the same CPU stages, by dtype only (the hot path)
         # The running binade histogram of every gradient given to add_gradient_histogram, per device.
@@ -106,12 +96,6 @@ class StatsCollector:
         # Counts in add_histogram order (row i: a list of HIST_BINS ints), stored sparse, after read()
         self.histograms = HistogramRows.empty(HIST_BINS)
         self.readbacks = 0
-
-    def _shape(self, size: tuple[int, ...]) -> tuple[int, ...]:
-        shape = self._shapes.get(size)
-        if shape is None:
-            shape = self._shapes[size] = tuple(size)
-        return shape
 
     def add(self, tensor: torch.Tensor, detailed: Optional[bool] = None) -> int:
         level = 2 if (self.detailed if detailed is None else detailed) else int(self.zeros)
@@ -156,9 +140,7 @@ class StatsCollector:
             index = stage.add(tensor.detach() if tensor.requires_grad else tensor)
         finally:
             _internal.depth = depth
-        slots = self._slots
-        slots.append((_NAMES[dtype], self._shape(tensor.shape), stage, index, level + 3, -1))
-        slot = len(slots) - 1
+        slot = self._slots.add(_NAMES[dtype], tensor.shape, stage, index, level + 3)
         try:
             self._seen[key] = (weakref.ref(tensor), version, level, slot)
         except TypeError:  # a tensor subclass without weakref support: measure again next time
@@ -177,10 +159,7 @@ class StatsCollector:
                 # _measure's staged case written out (every module output's gradient in a backward comes here)
                 stage = self._cpu_stages.get(dtype)
                 if stage is not None:
-                    slots = self._slots
-                    slots.append((_NAMES[dtype], self._shape(x.shape), stage, stage.add(x, histogram),
-                                  int(self.zeros) + 3, -1))
-                    return len(slots) - 1
+                    return self._slots.add(_NAMES[dtype], x.shape, stage, stage.add(x, histogram), int(self.zeros) + 3)
             return self._measure(x, 2 if self.detailed else int(self.zeros), histogram)
         finally:
             _internal.depth = depth
@@ -194,21 +173,17 @@ class StatsCollector:
             if stage is None:
                 stage = self._stages[(x.device, dtype)] = self._cpu_stages[dtype] = Stage(
                     dtype, x.device, self._gradient_total)
-            slots = self._slots
-            slots.append((_NAMES[dtype], self._shape(x.shape), stage, stage.add(x, histogram), level + 3, -1))
-            return len(slots) - 1
-        shape = self._shape(x.shape)
+            return self._slots.add(_NAMES[dtype], x.shape, stage, stage.add(x, histogram), level + 3)
+        shape = x.shape
         name = _NAMES.get(dtype) or dtype_name(dtype)
         if dtype not in _DIRECT and (not x.is_floating_point() or x.is_complex()) or numel == 0:
-            self._slots.append((name, shape, None, -1, 0, -1))
-            return len(self._slots) - 1
+            return self._slots.add(name, shape, None, -1, 0)
         device = x.device
         if level < 2 and numel <= STAGE_EACH and dtype in STAGED_DTYPES and device.type in STAGED_DEVICES:
             stage = self._stages.get((device, dtype))
             if stage is None:
                 stage = self._stages[(device, dtype)] = Stage(dtype, device, self._gradient_total)
-            self._slots.append((name, shape, stage, stage.add(x, histogram), level + 3, -1))
-            return len(self._slots) - 1
+            return self._slots.add(name, shape, stage, stage.add(x, histogram), level + 3)
         if histogram:
             self.add_gradient_histogram(x)
         zindex = -1
@@ -235,8 +210,10 @@ class StatsCollector:
             if level == 1:  # stored as a nonzero count, turned into a zero count in read()
                 survey[2].append(torch.count_nonzero(w))
                 zindex = len(survey[2]) - 1
-        self._slots.append((name, shape, device, index, level, zindex))
-        return len(self._slots) - 1
+        slot = self._slots.add(name, shape, device, index, level)
+        if zindex >= 0:
+            self._slots.zindex[slot] = zindex
+        return slot
 
     # -- the detailed level, chunk by chunk ---------------------------------------------------------------------
     def _detail(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,9 +299,7 @@ class StatsCollector:
                 out.append((self._measure(t.detach(), 1), hist))
                 continue
             segments, i, hist = found
-            self._slots.append((_NAMES.get(t.dtype) or dtype_name(t.dtype), self._shape(t.shape), segments, i, 4,
-                                -1))
-            out.append((len(self._slots) - 1, hist))
+            out.append((self._slots.add(_NAMES.get(t.dtype) or dtype_name(t.dtype), t.shape, segments, i, 4), hist))
         return out
 
     @staticmethod
@@ -425,26 +400,7 @@ class StatsCollector:
                 else:
                     values = piece.tolist() if width == 1 else piece.view(-1, width).tolist()
                 host.setdefault(owner, {})[name] = values
-        records: list[TensorStats] = []
-        append = records.append
-        prod = math.prod
-        for name, shape, where, index, level, zindex in self._slots:
-            if where is None:
-                append(TensorStats(name, shape))
-                continue
-            data = host[where]
-            if level == 2:
-                append(detailed_record(name, shape, data["counts"][index], data["extremes"][index]))
-                continue
-            low, high = data["min"][index], data["max"][index]
-            if high != high or low != low:  # NaN: an inf behind it shows in the NaN-ignoring sum
-                low, high = behind_nan(low, high, data["nansum"][index])
-            if level == 1:
-                append(survey_stats(name, shape, low, high, prod(shape) - int(data["zero_count"][zindex])))
-            elif level == 4:  # staged, zeros counted
-                append(survey_stats(name, shape, low, high, prod(shape) - int(data["zero_count"][index])))
-            else:  # the common case, kept lean: a record per tensor of every pass
-                append(survey_stats(name, shape, low, high))
+        records = self._slots.records(host)
         gradient = [host[d]["gradient_hist"][0] for d in self._gradient_hist]
         self.gradient_histogram = [sum(bins) for bins in zip(*gradient)] if gradient else None
         self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]
@@ -458,8 +414,7 @@ class StatsCollector:
         next backward gets a collector of its own), the slots' too (``len`` still answers; ``nbytes`` answers
         before the readback only)."""
         self._read_slots += len(self._slots)
-        self._slots = []
-        self._shapes = {}
+        self._slots = SlotTable()
         self._seen.clear()
         self._stages.clear()
         self._cpu_stages.clear()
@@ -481,8 +436,7 @@ class StatsCollector:
         """Bytes of the tensor measured in ``slot`` (from its recorded shape and dtype), before read()."""
         if slot < self._read_slots:
             raise IndexError(f"slot {slot} was read back already: its shape is in its record")
-        name, shape = self._slots[slot - self._read_slots][:2]
-        return math.prod(shape) * _ITEMSIZE.get(name, 4)
+        return self._slots.nbytes(slot - self._read_slots, _ITEMSIZE)
 
     def __len__(self) -> int:
         return self._read_slots + len(self._slots)
