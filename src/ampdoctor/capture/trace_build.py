@@ -8,9 +8,9 @@ from ..records import GradEvent, ModuleCall, PassTrace, TensorRecord, TensorStat
 from .hooks import Recorder
 from .reductions import shared_float
 
-# Records are built by the ten thousand on a model of many small modules: set only the fields that differ from the
-# class's defaults (frozen dataclasses keep their defaults on the class), as ``records.survey_stats`` does. The
-# records equal, hash and serialise as if built by their constructors.
+# Records are built by the ten thousand on a model of many small modules: written slot by slot, without the
+# generated ``__init__`` (its keyword handling and defaults), as ``records.survey_stats`` does. The records equal,
+# hash and serialise as if built by their constructors (the slotted records have every field set).
 _new = object.__new__
 _put = object.__setattr__
 
@@ -19,20 +19,23 @@ def _record(path: str, stats: TensorStats, requires_grad: bool, ref: int) -> Ten
     r = _new(TensorRecord)
     _put(r, "path", path)
     _put(r, "stats", stats)
-    if requires_grad:
-        _put(r, "requires_grad", requires_grad)
+    _put(r, "requires_grad", requires_grad)
+    _put(r, "producer", None)
     _put(r, "ref", ref)
+    _put(r, "producer_path", "")
     return r
 
 
 def _input(
     path: str, stats: TensorStats, requires_grad: bool, producer: Optional[int], ref: int, producer_path: str
 ) -> TensorRecord:
-    r = _record(path, stats, requires_grad, ref)
-    if producer is not None:
-        _put(r, "producer", producer)
-    if producer_path:
-        _put(r, "producer_path", producer_path)
+    r = _new(TensorRecord)
+    _put(r, "path", path)
+    _put(r, "stats", stats)
+    _put(r, "requires_grad", requires_grad)
+    _put(r, "producer", producer)
+    _put(r, "ref", ref)
+    _put(r, "producer_path", producer_path)
     return r
 
 
@@ -46,8 +49,7 @@ def _call(c: Any, stats: list[TensorStats]) -> ModuleCall:
     _put(call, "end_order", c.end_order)
     _put(call, "inputs", tuple([_input(p, stats[s], rg, prod, s, pp) for p, s, rg, prod, pp in c.inputs]))
     _put(call, "outputs", tuple([_record(p, stats[s], rg, s) for p, s, rg in c.outputs]))
-    if not c.grad_enabled:
-        _put(call, "grad_enabled", False)
+    _put(call, "grad_enabled", c.grad_enabled)
     return call
 
 
@@ -99,13 +101,9 @@ def grad_events(recorder: Recorder, stats: list[TensorStats], scale: float) -> t
         _put(e, "order", g.order)
         _put(e, "kind", g.kind)
         _put(e, "stats", found)
-        if g.call is not None:
-            _put(e, "call", g.call)
-        if g.path:
-            _put(e, "path", g.path)
-        if g.param is not None:
-            _put(e, "param", g.param)
-        if g.via_base:
-            _put(e, "via_base", g.via_base)
+        _put(e, "call", g.call)
+        _put(e, "path", g.path)
+        _put(e, "param", g.param)
+        _put(e, "via_base", g.via_base)
         append(e)
     return tuple(events)
