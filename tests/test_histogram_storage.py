@@ -159,3 +159,41 @@ def test_kept_columns_equal_the_table_of_losses(seed: int) -> None:
             for g, t in zip(asked, total)
         ]
         assert grouped.kept_columns(columns, asked, total, share).tolist() == expected
+
+
+def test_rows_waiting_on_a_device_come_back_in_order_through_the_readback(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Off the CPU a block of rows waits for the pass's one transfer and is cut from its device's rows afterwards;
+    # forced here on the CPU (no GPU needed), mixed with rows made sparse at once, the rows are the same.
+    from ampdoctor.capture import binades
+
+    torch.manual_seed(3)
+    small = [torch.randn(4, 4) * 2.0**e for e in (-20, 0, 9)] + [torch.randn(6).half()]
+    large = torch.randn(70000) * 2.0**-3
+
+    def collect(waiting: bool) -> tuple[list[list[int]], list[int]]:
+        calls = 0
+        real_add = binades.RowQueue.add
+
+        def add(self: binades.RowQueue, rows: torch.Tensor) -> int:
+            nonlocal calls
+            calls += 1
+            if not waiting or calls % 2:  # every other block waits, as a device's would
+                return real_add(self, rows)
+            self.blocks.append(rows)
+            first, self.count = self.count, self.count + rows.shape[0]
+            return first
+
+        monkeypatch.setattr(binades.RowQueue, "add", add)
+        collector = StatsCollector(torch.float16, False, zeros=False)
+        first = collector.add_histogram(large)
+        batched = collector.add_many(small, histograms=True)
+        again = collector.add_histogram(large * 2)
+        collector.read()
+        monkeypatch.undo()
+        indices = [first, *(h for _, h in batched), again]
+        return [collector.histograms[i] for i in indices], indices
+
+    plain, indices = collect(False)
+    waited, same = collect(True)
+    assert same == indices and waited == plain
+    assert plain == [_binades(t) for t in (large, *small, large * 2)]
