@@ -16,7 +16,7 @@ from ampdoctor.analysis import near_limit
 from ampdoctor.analysis.findings import NearLimit
 from ampdoctor.analysis.headroom import beyond_range_params, headroom_bits
 from ampdoctor.analysis.origin import forward_origin, not_captured
-from ampdoctor.analysis.prediction import _prefixes
+from ampdoctor.analysis.prediction import _Grouped
 from ampdoctor.analysis.scale import low_precision_modules, predicted_top
 from ampdoctor.capture.stats import format_limits
 from ampdoctor.records import (
@@ -29,6 +29,7 @@ from ampdoctor.records import (
     TensorRecord,
     TensorStats,
 )
+from ampdoctor.records.histograms import HistogramRows
 from ampdoctor.thresholds import HEADROOM_WARN_BITS
 
 F16 = format_limits(torch.float16)
@@ -150,19 +151,26 @@ def test_predicted_top_and_bad_outputs_match_the_per_record_definitions(seed: in
     ]
 
 
-@pytest.mark.parametrize("as_arrays", [False, True])
-def test_prefixes_match_summing_row_by_row(as_arrays: bool) -> None:
+@pytest.mark.parametrize("sparse", [False, True])
+def test_grouped_sums_match_summing_row_by_row(sparse: bool) -> None:
     rng = np.random.default_rng(3)
-    rows_i = rng.integers(0, 2**40, size=(500, 130))
+    rows_i = rng.integers(0, 2**36, size=(500, 130))  # large counts, all sums still below 2**53 (exact)
+    if sparse:  # most bins empty, as in a real gradient's histogram
+        rows_i[rng.random(rows_i.shape) < 0.9] = 0
     groups = [int(g) for g in rng.integers(0, 137, size=500)]
     used = sorted(set(groups))
     dense = [used.index(g) for g in groups]  # every group has a row, as LossPrediction numbers them
-    rows = list(rows_i) if as_arrays else rows_i.tolist()
     summed = np.zeros((len(used), 130))
     for g, row in zip(dense, rows_i):
         summed[g] += row.astype(np.float64)
-    expected = np.concatenate((np.zeros((len(used), 1)), np.cumsum(summed, axis=1)), axis=1)
-    assert np.array_equal(_prefixes(rows, dense, len(used)), expected)
+    expected = np.concatenate((np.zeros((len(used), 1)), np.cumsum(summed, axis=1)), axis=1)  # bins below each column
+    grouped = _Grouped(HistogramRows.from_dense([rows_i], 130), np.asarray(dense))
+    columns = np.asarray([0, 1, 5, 5, 64, 129, 130, 200])
+    below = grouped.below_each(columns, len(used))
+    assert np.array_equal(below, expected[:, np.minimum(columns, 130)])
+    for c in (0, 3, 77, 130, 131):
+        assert grouped.below(c) == expected[:, min(c, 130)].sum()
+        assert [grouped.below(c, g) for g in range(len(used))] == expected[:, min(c, 130)].tolist()
 
 
 def test_records_built_field_by_field_equal_their_constructors() -> None:

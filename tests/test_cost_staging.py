@@ -42,7 +42,7 @@ def test_staged_statistics_match_one_by_one_and_ignore_later_writes(monkeypatch)
     slots = [collector.add(t) for t in tensors]
     for t in tensors:
         t.zero_()  # written in place after being seen (ReLU(inplace=True)): the statistics are of the values seen
-    assert all(isinstance(collector._slots[s][2], staging.Stage) for s in slots)
+    assert all(isinstance(collector._slots.wheres[s], staging.Stage) for s in slots)
     records = collector.read()
     assert collector.readbacks == 1
     for slot, (low, high, zeros), t in zip(slots, expected, tensors):
@@ -59,7 +59,7 @@ def test_large_tensors_are_not_staged() -> None:
     collector = StatsCollector(torch.float16, detailed=False)
     big = torch.ones(staging.STAGE_EACH + 1, dtype=torch.float16)
     slot = collector.add(big)
-    assert collector._slots[slot][2] == big.device
+    assert collector._slots.wheres[slot] == big.device
     assert collector.read()[slot].max == 1.0
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from ._version import __version__
 from .analysis import Findings, ScaleFinding, ScaleWindow, UnderflowFinding, analyze, forward_origin, near_limit
 from .analysis.policy_check import checked_policy_notes
-from .analysis.scale import Runner, measure_window, probe_scales, underflow_reference
+from .analysis.scale import Histograms, Runner, measure_window, probe_scales, underflow_reference
 from .analysis.survey_only import deferred_window_note, settle_from_survey
 from .autocast_ops import autocast_note
 from .capture.checks import (
@@ -241,7 +241,7 @@ def _diagnose(
     survey = _survey(session, used_scale, options.reference)
     check_autocast_effect(survey, limits.dtype, "cuda" if spec.policy == "cuda_emulated" else spec.device_type)
     origin = forward_origin(survey)
-    def run(at_scale: float, autocast: bool, histograms: bool) -> tuple[PassTrace, dict[str, list[float]]]:
+    def run(at_scale: float, autocast: bool, histograms: bool) -> tuple[PassTrace, Histograms]:
         # A probe that may be the top is the reference for predictions: every low-precision gradient's histogram.
         trace = session.run(at_scale, PassOptions(autocast=autocast, histograms=2 if histograms else 0))
         return trace, session.histograms

@@ -108,7 +108,7 @@ class SharedForward:
 
     def __init__(self) -> None:
         self.step: Optional[_Step] = None
-        self.histograms: dict[str, list[float]] = {}  # of the last pass run through ``run_pass(share=...)``
+        self.histograms: Mapping[str, list[int]] = {}  # of the last pass run through ``run_pass(share=...)``
 
     def release(self) -> None:
         step, self.step = self.step, None
@@ -209,7 +209,7 @@ class _Step:
         self.emulated: Any = None
         self.first: Optional[PassTrace] = None
         self.backwards = 0
-        self.histograms: dict[str, list[float]] = {}
+        self.histograms: Mapping[str, list[int]] = {}
         self.slots: tuple[list[tuple[str, int, bool]], list[tuple[str, int, bool]], int] = ([], [], -1)
         self.gc_was_enabled = gc.isenabled()
         self.depth = module_depth(spec.root)  # for the room its forward and its backward each hold
@@ -349,10 +349,8 @@ class _Step:
                 "please report this with the model class"
             ) from recorder.error
         stats = self.collector.read()
-        self.histograms = {g.param: self.collector.histograms[g.histogram]
-                           for g in recorder.grads if g.histogram >= 0 and g.param is not None}
-        if self.collector.gradient_histogram is not None:
-            self.histograms[GRADIENT_KEY] = self.collector.gradient_histogram
+        self.histograms = self.collector.named_histograms(
+            ((g.param, g.histogram) for g in recorder.grads if g.histogram >= 0 and g.param is not None), GRADIENT_KEY)
         self.backwards += 1
         if self.first is not None:
             events = grad_events(recorder, stats, scale)

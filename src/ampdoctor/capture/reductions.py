@@ -34,6 +34,19 @@ def _nansum32(w: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.nansum(c, dtype=torch.float32) for c in chunks(w, size)]).sum()
 
 
+_ZERO, _NEGATIVE_ZERO = 0.0, -0.0
+
+
+def shared_float(value: float, table: dict[float, float]) -> float:
+    """``value`` as one float object per distinct value (``table`` holds them): a pass's records repeat few
+    values (a float16 tensor's extremes take at most 63,488 finite values, and 0.0 is the minimum of every ReLU
+    output), so on a model of 10,000 modules 80,000 extremes are about 21,000 distinct floats. Zeros keep their
+    sign (``-0.0 == 0.0`` as a dict key); a NaN stays the object it is (it never finds itself in ``table``)."""
+    if value == 0.0:
+        return _ZERO if math.copysign(1.0, value) > 0 else _NEGATIVE_ZERO
+    return table.setdefault(value, value)
+
+
 def chunks(x: torch.Tensor, size: int = CHUNK) -> Iterator[torch.Tensor]:
     """``x`` flattened, in pieces of at most ``size`` elements; only a non-contiguous piece is ever copied."""
     if x.is_contiguous() or x.numel() <= size:

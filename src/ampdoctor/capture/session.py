@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -42,7 +42,7 @@ class Session:
         self.loss_sources: list[str] = []
         self.purpose = SURVEY
         self.share = SharedForward()  # the graph of the last survey-level pass, for probes at other scales
-        self.histograms: dict[str, list[float]] = {}
+        self.histograms: Mapping[str, list[int]] = {}  # binade histograms of the last pass that took them
         self.memory_limit = memory_limit
         self.progress = progress
         self.survey: Optional[PassTrace] = None  # the first pass, for memory estimates

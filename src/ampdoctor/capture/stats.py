@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 
-from ..records import TensorStats, survey_stats
-from ..thresholds import HIST_HIGH, HIST_LOW
+from ..records import TensorStats
+from ..records.histograms import BinadeHistograms, HistogramRows
+from .binades import HIST_CHUNK as HIST_CHUNK
+from .binades import RowQueue, binade_histogram, named_histograms
 from .dtypes import dtype_name
 from .internal import INTERNAL as INTERNAL  # re-exported: where capture's users have always found it
 from .internal import Internal as Internal
@@ -26,9 +29,10 @@ from .internal import _internal
 from .internal import measuring as measuring
 from .reductions import CHUNK as CHUNK
 from .reductions import CHUNK_MAX as CHUNK_MAX
-from .reductions import _nansum32, behind_nan, detailed_record, format_limits, segment_extremes, segment_ids
+from .reductions import _nansum32, format_limits, segment_extremes, segment_ids, shared_float
 from .reductions import chunk_size as chunk_size
 from .reductions import chunks as chunks
+from .slot_table import SlotTable
 from .staging import HIST_BINS, STAGE_EACH, STAGED_DEVICES, STAGED_DTYPES, Segments, Stage, histogram_bins
 
 # Statistic names in the order records list them. The survey level takes one fused min/max and a zero count.
@@ -46,9 +50,7 @@ DETAIL_FIELDS = SURVEY_FIELDS + (
 )
 # Histograms of large tensors go chunk by chunk in pieces this small (their scratch stays in the cache), and
 # tensors up to this size are histogrammed together (``add_many``).
-HIST_CHUNK = BATCH_EACH = 1 << 16
-# Gradient histograms (``HIST_BINS``, from .staging): bin 1 + k - HIST_LOW counts binade 2**k for
-# HIST_LOW <= k < HIST_HIGH; bin 0 everything nonzero below 2**HIST_LOW, the last bin everything finite above.
+BATCH_EACH = 1 << 16
 # Histograms of this many small tensors at most are computed together (their scratch: HIST_BINS counts each).
 HIST_GROUP = 1024
 # Counts computed per chunk by _detail_chunk, in this order; then finite_min, finite_max, min_abs_nonzero.
@@ -70,20 +72,19 @@ class StatsCollector:
         self._limits = format_limits(low_dtype)
         # Per slot: (dtype name, shape, device or its Stage, or None when not measured, index in its lists, level,
         # zero index); level 0: min/max, 1: min/max and zeros, 2: detailed; 3 and 4: 0 and 1, staged.
-        self._slots: list[tuple[str, tuple[int, ...], Any, int, int, int]] = []
+        self._slots = SlotTable()  # what each slot measured and where its numbers wait
+        self._read_slots = 0  # slots whose records read() returned (their bookkeeping is gone)
         self._stages: dict[tuple[torch.device, torch.dtype], Stage] = {}
         self._cpu_stages: dict[torch.dtype, Stage] = {}  # the same CPU stages, by dtype only (the hot path)
         # The running binade histogram of every gradient given to add_gradient_histogram, per device.
         self._gradient_hist: dict[torch.device, torch.Tensor] = {}
-        self.gradient_histogram: Optional[list[float]] = None  # their sum, after read() (None: none given)
+        self.gradient_histogram: Optional[list[int]] = None  # their sum, after read() (None: none given)
         # Per device: min, max, nonzero counts, and NaN-ignoring sums (which tell an inf behind a NaN min/max).
         self._survey: dict[
             torch.device, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
         ] = {}
         self._details: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._hists: list[tuple[torch.device, int]] = []
-        self._hist_values: dict[torch.device, list[torch.Tensor]] = {}  # blocks of rows, (n, HIST_BINS) each
-        self._hist_rows: dict[torch.device, int] = {}
+        self._hist_rows = RowQueue()  # add_histogram's rows
         self._batches: list[Segments] = []  # add_many's small tensors, reduced together
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int]] = {}
         self._value_groups: list[tuple[torch.device, int, int]] = []
@@ -92,7 +93,8 @@ class StatsCollector:
         self._vector_slots: list[tuple[torch.device, int, int]] = []
         self.vectors: list[list[float]] = []  # in add_vector order, after read()
         self.values: list[list[float]] = []
-        self.histograms: list[list[float]] = []  # counts (ints), in add_histogram order
+        # Counts in add_histogram order (row i: a list of HIST_BINS ints), stored sparse, after read()
+        self.histograms = HistogramRows.empty(HIST_BINS)
         self.readbacks = 0
 
     def add(self, tensor: torch.Tensor, detailed: Optional[bool] = None) -> int:
@@ -138,9 +140,7 @@ class StatsCollector:
             index = stage.add(tensor.detach() if tensor.requires_grad else tensor)
         finally:
             _internal.depth = depth
-        slots = self._slots
-        slots.append((_NAMES[dtype], tuple(tensor.shape), stage, index, level + 3, -1))
-        slot = len(slots) - 1
+        slot = self._slots.add(_NAMES[dtype], tensor.shape, stage, index, level + 3)
         try:
             self._seen[key] = (weakref.ref(tensor), version, level, slot)
         except TypeError:  # a tensor subclass without weakref support: measure again next time
@@ -159,10 +159,7 @@ class StatsCollector:
                 # _measure's staged case written out (every module output's gradient in a backward comes here)
                 stage = self._cpu_stages.get(dtype)
                 if stage is not None:
-                    slots = self._slots
-                    slots.append((_NAMES[dtype], tuple(x.shape), stage, stage.add(x, histogram), int(self.zeros) + 3,
-                                  -1))
-                    return len(slots) - 1
+                    return self._slots.add(_NAMES[dtype], x.shape, stage, stage.add(x, histogram), int(self.zeros) + 3)
             return self._measure(x, 2 if self.detailed else int(self.zeros), histogram)
         finally:
             _internal.depth = depth
@@ -176,21 +173,17 @@ class StatsCollector:
             if stage is None:
                 stage = self._stages[(x.device, dtype)] = self._cpu_stages[dtype] = Stage(
                     dtype, x.device, self._gradient_total)
-            slots = self._slots
-            slots.append((_NAMES[dtype], tuple(x.shape), stage, stage.add(x, histogram), level + 3, -1))
-            return len(slots) - 1
-        shape = tuple(x.shape)
+            return self._slots.add(_NAMES[dtype], x.shape, stage, stage.add(x, histogram), level + 3)
+        shape = x.shape
         name = _NAMES.get(dtype) or dtype_name(dtype)
         if dtype not in _DIRECT and (not x.is_floating_point() or x.is_complex()) or numel == 0:
-            self._slots.append((name, shape, None, -1, 0, -1))
-            return len(self._slots) - 1
+            return self._slots.add(name, shape, None, -1, 0)
         device = x.device
         if level < 2 and numel <= STAGE_EACH and dtype in STAGED_DTYPES and device.type in STAGED_DEVICES:
             stage = self._stages.get((device, dtype))
             if stage is None:
                 stage = self._stages[(device, dtype)] = Stage(dtype, device, self._gradient_total)
-            self._slots.append((name, shape, stage, stage.add(x, histogram), level + 3, -1))
-            return len(self._slots) - 1
+            return self._slots.add(name, shape, stage, stage.add(x, histogram), level + 3)
         if histogram:
             self.add_gradient_histogram(x)
         zindex = -1
@@ -217,8 +210,10 @@ class StatsCollector:
             if level == 1:  # stored as a nonzero count, turned into a zero count in read()
                 survey[2].append(torch.count_nonzero(w))
                 zindex = len(survey[2]) - 1
-        self._slots.append((name, shape, device, index, level, zindex))
-        return len(self._slots) - 1
+        slot = self._slots.add(name, shape, device, index, level)
+        if zindex >= 0:
+            self._slots.zindex[slot] = zindex
+        return slot
 
     # -- the detailed level, chunk by chunk ---------------------------------------------------------------------
     def _detail(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,44 +254,17 @@ class StatsCollector:
         return counts, extremes
 
     # -- gradient histograms ------------------------------------------------------------------------------------
-    def _histogram(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The binade histogram (int64, ``HIST_BINS``) of ``tensor``'s nonzero finite values: a bincount of the
-        float32 exponent field, chunk by chunk (four kernels a chunk), folded into ``HIST_BINS`` at the end."""
-        x = tensor.detach()
-        total: Optional[torch.Tensor] = None
-        for c in chunks(x, HIST_CHUNK):
-            w = c.float() if c.dtype != torch.float32 else c  # float64 magnitudes beyond float32 go to the ends
-            exponent = (w.view(torch.int32) >> 23).bitwise_and_(0xFF)  # 0: zero/subnormal, 255: inf/NaN
-            part = torch.bincount(exponent.reshape(-1), minlength=256)
-            total = part if total is None else total.add_(part)
-        assert total is not None
-        # Binade 2**k is biased exponent k + 127. Exponent 0 holds the zeros (dropped here) and float32 subnormals
-        # (and float64 values too small for float32), which belong to the bottom bin; 255 holds inf and NaN.
-        low, high = HIST_LOW + 127, HIST_HIGH + 127
-        zeros = x.numel() - torch.count_nonzero(x)
-        below = total[1:low].sum() + total[0] - zeros
-        return torch.cat((below.reshape(1), total[low:high], total[high:255].sum().reshape(1)))
-
     def add_histogram(self, tensor: torch.Tensor) -> int:
         """Queue the binade histogram of ``tensor``'s nonzero finite values (layout: ``HIST_BINS``), read back with
         everything else into ``histograms``; returns its index there."""
-        return self._add_rows(self._histogram(tensor).reshape(1, HIST_BINS))
-
-    def _add_rows(self, rows: torch.Tensor) -> int:
-        """Queue a block of histogram rows; returns the index (in ``histograms``) of its first."""
-        device = rows.device
-        self._hist_values.setdefault(device, []).append(rows)
-        first = self._hist_rows.get(device, 0)
-        self._hist_rows[device] = first + rows.shape[0]
-        self._hists += [(device, first + i) for i in range(rows.shape[0])]
-        return len(self._hists) - rows.shape[0]
+        return self._hist_rows.add(binade_histogram(tensor).reshape(1, HIST_BINS))
 
     def add_gradient_histogram(self, tensor: torch.Tensor) -> None:
         """Add the binade histogram of ``tensor`` to the running total :attr:`gradient_histogram` (after read()):
         what the loss-scale predictions read of the activations' gradients is their sum, so no histogram per
         gradient is kept or read back."""
         total = self._gradient_total(tensor.device)
-        total += self._histogram(tensor)
+        total += binade_histogram(tensor)
 
     def _gradient_total(self, device: torch.device) -> torch.Tensor:
         total = self._gradient_hist.get(device)
@@ -321,7 +289,7 @@ class StatsCollector:
             part = batchable[start : start + group]
             segments, rows = self._batch(part, histograms)
             self._batches.append(segments)
-            first = self._add_rows(rows) if rows is not None else -1
+            first = self._hist_rows.add(rows) if rows is not None else -1
             where.update((id(t), (segments, i, first + i if rows is not None else -1)) for i, t in enumerate(part))
         out = []
         for t in tensors:
@@ -331,8 +299,7 @@ class StatsCollector:
                 out.append((self._measure(t.detach(), 1), hist))
                 continue
             segments, i, hist = found
-            self._slots.append((_NAMES.get(t.dtype) or dtype_name(t.dtype), tuple(t.shape), segments, i, 4, -1))
-            out.append((len(self._slots) - 1, hist))
+            out.append((self._slots.add(_NAMES.get(t.dtype) or dtype_name(t.dtype), t.shape, segments, i, 4), hist))
         return out
 
     @staticmethod
@@ -381,9 +348,12 @@ class StatsCollector:
         # Staged tensors (flushed now: a few kernels each) and add_many's batches: one value per tensor in 1-D.
         stages: dict[Any, Any] = {stage: stage.statistics() for stage in self._stages.values()}
         stages.update((batch, batch.statistics()) for batch in self._batches)
-        devices = {*self._survey, *self._details, *self._values, *self._hist_values, *self._vectors,
+        waiting = self._hist_rows.waiting()  # histogram rows still on their device (not the CPU)
+        devices = {*self._survey, *self._details, *self._values, *(b.device for b in waiting), *self._vectors,
                    *self._gradient_hist, *(owner.device for owner in stages)}
-        host: dict[Any, dict[str, list[Any]]] = {}
+        host: dict[Any, dict[str, Any]] = {}
+        floats: dict[float, float] = {}
+        shared = shared_float
         for device in devices:
             # Mixed dtypes promote in cat: fp16/bf16/fp32 values and counts below 2**53 are exact in float64.
             wide = torch.float32 if device.type == "mps" else torch.float64
@@ -402,9 +372,9 @@ class StatsCollector:
             if detail and detail[0]:
                 parts.append((device, "counts", torch.stack(detail[0]).to(wide).reshape(-1), len(_COUNTS)))
                 parts.append((device, "extremes", torch.stack(detail[1]).to(wide).reshape(-1), 3))
-            hists = self._hist_values.get(device)
+            hists = [b for b in waiting if b.device == device]
             if hists:
-                parts.append((device, "hists", torch.cat(hists).to(wide).reshape(-1), -HIST_BINS))
+                parts.append((device, "hists", torch.cat(hists).to(wide).reshape(-1), 0))
             total = self._gradient_hist.get(device)
             if total is not None:
                 parts.append((device, "gradient_hist", total.to(wide), -HIST_BINS))
@@ -421,65 +391,61 @@ class StatsCollector:
             numbers = torch.cat([p for _, _, p, _ in parts]).cpu()
             self.readbacks += 1
             for (owner, name, _part, width), piece in zip(parts, numbers.split([p.numel() for _, _, p, _ in parts])):
-                if width < 0:  # counts
-                    values: list[Any] = piece.to(torch.int64).view(-1, -width).tolist()
+                if width == 0:  # histogram rows: dense here, sparse below
+                    values: Any = piece.view(-1, HIST_BINS).numpy()
+                elif width < 0:  # counts
+                    values = piece.to(torch.int64).view(-1, -width).tolist()
+                elif name in _EXTREMES:  # one float object per distinct value in the records
+                    values = [shared(v, floats) for v in piece.tolist()]
                 else:
                     values = piece.tolist() if width == 1 else piece.view(-1, width).tolist()
                 host.setdefault(owner, {})[name] = values
-        records: list[TensorStats] = []
-        append = records.append
-        prod = math.prod
-        for name, shape, where, index, level, zindex in self._slots:
-            if where is None:
-                append(TensorStats(name, shape))
-                continue
-            data = host[where]
-            if level == 2:
-                append(detailed_record(name, shape, data["counts"][index], data["extremes"][index]))
-                continue
-            low, high = data["min"][index], data["max"][index]
-            if high != high or low != low:  # NaN: an inf behind it shows in the NaN-ignoring sum
-                low, high = behind_nan(low, high, data["nansum"][index])
-            if level == 1:
-                append(survey_stats(name, shape, low, high, prod(shape) - int(data["zero_count"][zindex])))
-            elif level == 4:  # staged, zeros counted
-                append(survey_stats(name, shape, low, high, prod(shape) - int(data["zero_count"][index])))
-            else:  # the common case, kept lean: a record per tensor of every pass
-                append(survey_stats(name, shape, low, high))
+        records = self._slots.records(host)
         gradient = [host[d]["gradient_hist"][0] for d in self._gradient_hist]
         self.gradient_histogram = [sum(bins) for bins in zip(*gradient)] if gradient else None
         self.values = [host[device]["values"][start : start + count] for device, start, count in self._value_groups]
         self.vectors = [host[device]["vectors"][start : start + n] for device, start, n in self._vector_slots]
-        self.histograms = [host[device]["hists"][index] for device, index in self._hists]
+        self.histograms = self._hist_rows.rows({d: data["hists"] for d, data in host.items() if "hists" in data})
         self._release()
         return records
 
     def _release(self) -> None:
         """After the one readback: the per-slot bookkeeping and the queued device values go (a kept graph's
-        next backward gets a collector of its own); ``nbytes`` and ``len`` still answer."""
+        next backward gets a collector of its own), the slots' too (``len`` still answers; ``nbytes`` answers
+        before the readback only)."""
+        self._read_slots += len(self._slots)
+        self._slots = SlotTable()
         self._seen.clear()
         self._stages.clear()
         self._cpu_stages.clear()
         self._survey.clear()
         self._details.clear()
-        self._hist_values.clear()
+        self._hist_rows = RowQueue()
         self._batches.clear()
         self._values.clear()
         self._vectors.clear()
         self._gradient_hist.clear()
 
+    def named_histograms(self, rows: Iterable[tuple[str, int]], total: Optional[str] = None) -> BinadeHistograms:
+        """After read(): the histograms of ``rows`` ((name, index) pairs; a name given twice keeps its first place
+        and its last row, as a dict would) by name, and :attr:`gradient_histogram` under ``total`` when there is
+        one. Nothing dense is built."""
+        return named_histograms(self.histograms, rows, total, self.gradient_histogram)
+
     def nbytes(self, slot: int) -> int:
-        """Bytes of the tensor measured in ``slot`` (from its recorded shape and dtype)."""
-        name, shape = self._slots[slot][:2]
-        return math.prod(shape) * _ITEMSIZE.get(name, 4)
+        """Bytes of the tensor measured in ``slot`` (from its recorded shape and dtype), before read()."""
+        if slot < self._read_slots:
+            raise IndexError(f"slot {slot} was read back already: its shape is in its record")
+        return self._slots.nbytes(slot - self._read_slots, _ITEMSIZE)
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return self._read_slots + len(self._slots)
 
 
 _BATCHABLE = (torch.float16, torch.bfloat16, torch.float32)
 # What a Stage's statistics are called in read(): the survey's names (nonzero counts under "zero_count").
 _STAGED_FIELDS = ("min", "max", "nansum", "zero_count")
+_EXTREMES = frozenset({"min", "max"})  # the survey's fields that records keep as floats
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 

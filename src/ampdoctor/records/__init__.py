@@ -50,7 +50,9 @@ class FormatLimits:
     flush_threshold: float  # 0 < |x| <= this rounds to zero when cast (2**-25 for float16)
 
 
-@dataclass(frozen=True)
+# A pass makes these by the ten thousand on a model of many small modules: ``slots=True`` (no instance dict) takes
+# about 48 bytes less each (80 bytes for a TensorRecord, 88 for a GradEvent); so do ModuleInfo and ParamRecord.
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
     """One tensor seen at a module boundary: where it sits (``path``) and its statistics."""
 
@@ -62,21 +64,21 @@ class TensorRecord:
     producer_path: str = ""  # where in the producer's output it sat ("out", "out[0]", ...)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParamRecord:
     name: str  # fully qualified, as in named_parameters()
     stats: TensorStats
     requires_grad: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ModuleInfo:
     name: str  # "" is the root
     class_name: str
     params: tuple[ParamRecord, ...] = ()  # the module's own parameters (recurse=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ModuleCall:
     index: int  # order of start
     module: str
@@ -98,7 +100,7 @@ def call_label(module: str, call: int) -> str:
     return f"{name}#{call}" if call else name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GradEvent:
     """A gradient seen during backward, in execution order.
 
