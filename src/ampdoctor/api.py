@@ -187,8 +187,7 @@ def _outside_user_autocast() -> Iterator[None]:
 
 
 def _diagnose_model(root: nn.Module, notes: list[str], batch: Any, options: DiagnoseOptions) -> Report:
-    named = list(root.named_modules())  # walked once per diagnosis
-    params = list(root.named_parameters())
+    named, params = list(root.named_modules()), list(root.named_parameters())  # walked once per diagnosis
     check_model(root, named, params)
     device_type = options.device_type or model_device_type(root, batch)
     policy = options.policy
@@ -197,8 +196,7 @@ def _diagnose_model(root: nn.Module, notes: list[str], batch: Any, options: Diag
         check_device(device_type)
     used_scale, scale_source, environment = resolve_scale(options.scaler, options.scale, options.dtype)
     limit = options.memory_bytes
-    if limit is None:
-        limit = available_bytes("cpu" if emulate else device_type)
+    limit = available_bytes("cpu" if emulate else device_type) if limit is None else limit
     shown = progress_callback(options.progress)
     # Inside torch.inference_mode() autograd is off and tensors cannot be saved for backward: run with it off
     # (the context puts the user's mode back), on normal copies of inference tensors.

@@ -61,8 +61,7 @@ class PassSpec:
     backward: bool
     # "native": torch.autocast(device_type); "cuda_emulated": CUDA's op policy on CPU tensors (capture.emulate)
     policy: str = "native"
-    # Every module of ``root`` in ``modules()`` order; empty: walked by the first pass (a walk costs a few
-    # microseconds a module, so a diagnosis hands over the one it made).
+    # ``root.modules()``, walked once (empty: by the first pass; a diagnosis hands over its own walk)
     modules: list[nn.Module] = field(default_factory=list)
 
 
@@ -144,9 +143,7 @@ def run_pass(
     ``torch.autograd.grad`` so no ``.grad`` field is touched.
     """
     # Same spec, same options, and no module's forward replaced since (a float32 fallback under verification).
-    if not spec.modules:
-        spec.modules = list(spec.root.modules())
-    modules = spec.modules
+    modules = spec.modules = spec.modules or list(spec.root.modules())
     overrides = tuple(id(m.__dict__.get("forward")) for m in modules)
     key = (id(spec), spec.dtype, options.forward_key(), overrides)
     if share is not None and share.step is not None:

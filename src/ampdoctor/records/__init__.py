@@ -8,6 +8,7 @@ is hashable; records that may hold NaN compare NaN fields as equal, so ``Report.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -50,9 +51,12 @@ class FormatLimits:
     flush_threshold: float  # 0 < |x| <= this rounds to zero when cast (2**-25 for float16)
 
 
+# ``slots=`` is a dataclass option from Python 3.10 on; 3.9 (still supported) gets plain instances.
+_SLOTS: dict[str, bool] = {"slots": True} if sys.version_info >= (3, 10) else {}
+
 # A pass makes these by the ten thousand on a model of many small modules: ``slots=True`` (no instance dict) takes
 # about 48 bytes less each (80 bytes for a TensorRecord, 88 for a GradEvent); so do ModuleInfo and ParamRecord.
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class TensorRecord:
     """One tensor seen at a module boundary: where it sits (``path``) and its statistics."""
 
@@ -64,21 +68,21 @@ class TensorRecord:
     producer_path: str = ""  # where in the producer's output it sat ("out", "out[0]", ...)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class ParamRecord:
     name: str  # fully qualified, as in named_parameters()
     stats: TensorStats
     requires_grad: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class ModuleInfo:
     name: str  # "" is the root
     class_name: str
     params: tuple[ParamRecord, ...] = ()  # the module's own parameters (recurse=False)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class ModuleCall:
     index: int  # order of start
     module: str
@@ -100,7 +104,7 @@ def call_label(module: str, call: int) -> str:
     return f"{name}#{call}" if call else name
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class GradEvent:
     """A gradient seen during backward, in execution order.
 
