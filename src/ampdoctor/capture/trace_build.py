@@ -15,19 +15,8 @@ _new = object.__new__
 _put = object.__setattr__
 
 
-def _record(path: str, stats: TensorStats, requires_grad: bool, ref: int) -> TensorRecord:
-    r = _new(TensorRecord)
-    _put(r, "path", path)
-    _put(r, "stats", stats)
-    _put(r, "requires_grad", requires_grad)
-    _put(r, "producer", None)
-    _put(r, "ref", ref)
-    _put(r, "producer_path", "")
-    return r
-
-
-def _input(
-    path: str, stats: TensorStats, requires_grad: bool, producer: Optional[int], ref: int, producer_path: str
+def _tensor_record(
+    path: str, stats: TensorStats, requires_grad: bool, producer: Optional[int], ref: int, producer_path: str = ""
 ) -> TensorRecord:
     r = _new(TensorRecord)
     _put(r, "path", path)
@@ -47,8 +36,8 @@ def _call(c: Any, stats: list[TensorStats]) -> ModuleCall:
     _put(call, "class_name", c.class_name)
     _put(call, "parent", c.parent)
     _put(call, "end_order", c.end_order)
-    _put(call, "inputs", tuple([_input(p, stats[s], rg, prod, s, pp) for p, s, rg, prod, pp in c.inputs]))
-    _put(call, "outputs", tuple([_record(p, stats[s], rg, s) for p, s, rg in c.outputs]))
+    _put(call, "inputs", tuple([_tensor_record(p, stats[s], rg, prod, s, pp) for p, s, rg, prod, pp in c.inputs]))
+    _put(call, "outputs", tuple([_tensor_record(p, stats[s], rg, None, s) for p, s, rg in c.outputs]))
     _put(call, "grad_enabled", c.grad_enabled)
     return call
 
