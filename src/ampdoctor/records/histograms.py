@@ -91,17 +91,6 @@ class HistogramRows:
         where = np.repeat(starts - indptr[:-1], lengths) + np.arange(indptr[-1], dtype=np.int64)
         return HistogramRows(indptr, self.columns[where], self.counts[where], self.width)
 
-    def group_sums(self, groups: np.ndarray, count: int) -> np.ndarray:
-        """``(count, width)`` float64: row ``i`` added to row ``groups[i]`` of the result (``groups[i] < 0``: left
-        out). Counts below 2**53 sum exactly in any order."""
-        if not len(self) or not count:
-            return np.zeros((count, self.width), dtype=np.float64)
-        owner = np.repeat(np.asarray(groups, dtype=np.int64), np.diff(self.indptr))
-        kept = owner >= 0
-        flat = owner[kept] * self.width + self.columns[kept]
-        summed = np.bincount(flat, weights=self.counts[kept].astype(np.float64), minlength=count * self.width)
-        return summed.reshape(count, self.width)
-
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, HistogramRows):
             return NotImplemented
