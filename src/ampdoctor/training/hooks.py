@@ -328,21 +328,7 @@ class _ModuleProbe:
                     cur = w.cur
                     cur.collector.put(self.keys[low], output.detach())
                     if hooks.grads_on:
-                        node = output.grad_fn
-                        if node is not None and output._base is None and output._backward_hooks is None and (
-                            hooks.dicts_ok
-                        ):
-                            # our hook in the tensor's own hook dict, in C (fastpath's docstring), an OrderedDict
-                            # as register_hook makes (its handles keep a weakref to it). The dict goes straight
-                            # into the step's list (a Ctrl-C in between leaves a hook on this step's graph only,
-                            # which dies with it)
-                            hooks_of_t: OrderedDict[int, Any] = OrderedDict()
-                            hooks_of_t[OWN_KEY] = self.receivers[low] or self._receiver(low)
-                            output._backward_hooks = hooks_of_t  # type: ignore[assignment]
-                            node._register_hook_dict(output)
-                            cur.tensor_handles.append(hooks_of_t)
-                        elif node is not None or output.requires_grad:
-                            _hang(cur.tensor_handles, output, self.receivers[low] or self._receiver(low))
+                        self._hook_gradient(output, low, cur.tensor_handles)
             except Exception as exc:
                 self.w.fail(exc)
             return
@@ -374,23 +360,29 @@ class _ModuleProbe:
                     continue
                 low = t.dtype is w.low
                 cur.collector.put(self.keys[low], t.detach())
-                if not self.hooks.grads_on:
-                    continue
-                node = t.grad_fn
-                if node is not None:
-                    receive = self.receivers[low] or self._receiver(low)
-                    if t._base is None and t._backward_hooks is None and self.hooks.dicts_ok:
-                        hooks_of_t: OrderedDict[int, Any] = OrderedDict()
-                        hooks_of_t[OWN_KEY] = receive
-                        t._backward_hooks = hooks_of_t  # type: ignore[assignment]
-                        node._register_hook_dict(t)
-                        cur.tensor_handles.append(hooks_of_t)
-                    else:
-                        _hang(cur.tensor_handles, t, receive)
-                elif t.requires_grad:  # a leaf that asks for a gradient (a module handing back its input)
-                    _hang(cur.tensor_handles, t, self.receivers[low] or self._receiver(low))
+                if self.hooks.grads_on:
+                    self._hook_gradient(t, low, cur.tensor_handles)
         except Exception as exc:
             self.w.fail(exc)
+
+    def _hook_gradient(self, t: torch.Tensor, low: bool, handles: list[Any]) -> None:
+        """Hang this module's gradient receiver on output ``t`` (``handles``: the step's, taken out at its end)."""
+        node = t.grad_fn
+        if node is not None:
+            receive = self.receivers[low] or self._receiver(low)
+            if t._base is None and t._backward_hooks is None and self.hooks.dicts_ok:
+                # the common case: our hook in the tensor's own hook dict, in C (fastpath's docstring), an
+                # OrderedDict as register_hook makes (its handles keep a weakref to it). The dict goes straight into
+                # the step's list (a Ctrl-C in between leaves a hook on this step's graph only, which dies with it)
+                hooks_of_t: OrderedDict[int, Any] = OrderedDict()
+                hooks_of_t[OWN_KEY] = receive
+                t._backward_hooks = hooks_of_t  # type: ignore[assignment]
+                node._register_hook_dict(t)
+                handles.append(hooks_of_t)
+            else:
+                _hang(handles, t, receive)
+        elif t.requires_grad:  # a leaf that asks for a gradient (a module handing back its input)
+            _hang(handles, t, self.receivers[low] or self._receiver(low))
 
     def _receiver(self, low: bool) -> _GradReceiver:
         receive = self.receivers[low] = self.hooks.receiver(self.name, low)
