@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -164,11 +165,38 @@ def _interrupt_after(delay: float, main: int, done: threading.Event) -> threadin
     return thread
 
 
+# The autocast state a Ctrl-C leaves when it cuts torch's own ``torch.autocast`` enter or exit in the user's loop
+# (half of its flags set): plain torch does the same with or without ampdoctor, so it is not ampdoctor's to restore.
+_AUTOCAST_STATE = ("autocast", "autocast cache", "autocast nesting")
+
+
+def _cut_the_users_autocast(exc: BaseException) -> bool:
+    """The KeyboardInterrupt was raised inside ``torch.autocast.__enter__``/``__exit__`` called from this harness's
+    own loop (not from ampdoctor's code)."""
+    frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+    for inner, outer in zip(frames[1:], frames):
+        if inner.f_code.co_filename.endswith("autocast_mode.py") and inner.f_code.co_name in ("__enter__",
+                                                                                             "__exit__"):
+            return outer.f_code.co_filename == __file__
+    return False
+
+
+def _put_autocast_back(before: dict[str, Any]) -> None:
+    for device, enabled, dtype in before["autocast"]:
+        torch.set_autocast_enabled(device, enabled)
+        torch.set_autocast_dtype(device, dtype)
+    torch.set_autocast_cache_enabled(before["autocast cache"])
+    while _nesting() > before["autocast nesting"]:
+        torch.autocast_decrement_nesting()
+    while _nesting() < before["autocast nesting"]:
+        torch.autocast_increment_nesting()
+
+
 def interrupt_at(
     run: Callable[[], Any], model: nn.Module, offset: float, scaler: Any = None, ignore: tuple[str, ...] = ()
 ) -> Outcome:
     """Run ``run()`` with SIGINT sent ``offset`` seconds in; compare the state after with before (all but the
-    keys in ``ignore``)."""
+    keys in ``ignore``, and the autocast flags when the Ctrl-C cut the user's own ``torch.autocast`` block)."""
     before = state_of(model, scaler)
     for key in ignore:
         del before[key]
@@ -181,8 +209,12 @@ def interrupt_at(
         done.set()
         thread.join()
         time.sleep(0.002)  # a signal sent just as the run ended is handled here, outside it
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         result = "interrupted"
+        if _cut_the_users_autocast(exc):
+            _put_autocast_back(before)  # for the runs (and tests) after this one
+            for key in _AUTOCAST_STATE:
+                before.pop(key, None)
     except Exception as exc:  # noqa: BLE001 - reported, the caller asserts
         result = f"{type(exc).__name__}: {exc}"
     finally:

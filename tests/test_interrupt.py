@@ -154,6 +154,9 @@ def _interrupt_on_call(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, a
 def test_ctrl_c_in_a_window_that_used_to_leak_leaves_nothing_behind(
     monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, at: int
 ) -> None:
+    import ampdoctor.capture.hooks  # noqa: F401 - bound before the patch: a patched registration is then used as
+    # torch's own (the path of module classes with their own registration), so the Ctrl-C lands in the install
+
     model, batch = model_and_batch(blocks=2)
     before = state_of(model)
     _interrupt_on_call(monkeypatch, owner, name, at)
@@ -161,6 +164,52 @@ def test_ctrl_c_in_a_window_that_used_to_leak_leaves_nothing_behind(
         ampdoctor.diagnose(model, batch, device_type="cpu", progress=False)
     monkeypatch.undo()
     assert differences(before, state_of(model)) == []
+
+
+def test_a_ctrl_c_while_an_owner_enters_leaves_it_again_before_it_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A with statement calls no __exit__ for an __enter__ that raised: the owner leaves by itself first."""
+    _interrupt_on_call(monkeypatch, cleanup, "shield_sigint", 1)  # right after our SIGINT handler went in
+    body: list[str] = []
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with Cleanup():
+            body.append("ran")
+    assert body == []
+    assert raised.value.__context__ is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert cleanup.current_owner() is None and cleanup._OWNERS_IN_MAIN[0] == 0
+
+
+def test_a_ctrl_c_while_a_watch_starts_leaves_nothing_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampdoctor.training.hooks import WatchHooks
+
+    model, batch = model_and_batch(blocks=2)
+    scaler = torch.amp.GradScaler("cpu")
+    before = state_of(model, scaler)
+    _interrupt_on_call(monkeypatch, WatchHooks, "sample", 1)  # the last install of start()
+    with pytest.raises(KeyboardInterrupt):
+        with ampdoctor.watch(model, scaler, save_bundle=False):
+            pytest.fail("the block must not run")
+    monkeypatch.undo()
+    assert differences(before, state_of(model, scaler)) == []
+
+
+def test_a_ctrl_c_while_the_watch_installs_its_op_survey_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The survey's hooks go in before its mode is pushed and recorded: a Ctrl-C in between used to leave the hooks
+    on every module, our SIGINT handler, and a close() that popped a mode never pushed."""
+    from ampdoctor.training import optrack
+
+    run, model, scaler = watched_run(blocks=2, steps=1)
+    before = state_of(model, scaler)
+    for key in TRAINING_CHANGES:
+        del before[key]
+    _interrupt_on_call(monkeypatch, optrack, "HookTap", 2)  # in the first watched forward's survey install
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.undo()
+    after = state_of(model, scaler)
+    assert differences(before, {k: v for k, v in after.items() if k in before}) == []
 
 
 def test_after_an_interrupt_the_model_runs_no_ampdoctor_code() -> None:
@@ -206,6 +255,7 @@ def test_ctrl_c_at_moments_across_a_diagnosis(device_type: str) -> None:
 @pytest.mark.slow
 def test_ctrl_c_at_moments_across_a_watched_loop() -> None:
     run, model, scaler = watched_run(blocks=2, steps=3)
+    run()  # the process's first watch imports and warms up (seconds): timed from it, the moments would miss the steps
     _check(sweep(run, model, 10, timed(run) * 1.1, random.Random(2), scaler, TRAINING_CHANGES))
 
 

@@ -108,6 +108,29 @@ def uninterrupted(fn: F) -> F:
     return functools.wraps(fn)(uninterrupted_call)  # type: ignore[return-value]
 
 
+def uninterrupted_enter(enter: F) -> F:
+    """An ``__enter__`` (or a start that a ``with`` follows) run as :func:`uninterrupted`; a Ctrl-C that arrived
+    meanwhile leaves again (``__exit__``) before it is raised: a ``with`` statement calls no ``__exit__`` for an
+    ``__enter__`` that raised, so raising it with things installed would leave them installed for good."""
+
+    def uninterrupted_enter_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = enter(self, *args, **kwargs)
+        except BaseException as exc:
+            if _Shield.pending:
+                _deliver(sys._getframe(1), exc)
+            raise
+        if _Shield.pending and not _protected(sys._getframe(1)):
+            try:
+                type(self).__exit__(self, None, None, None)
+            finally:
+                _deliver(sys._getframe(1))
+        return result
+
+    _PROTECTED.add(uninterrupted_enter_call.__code__)
+    return functools.wraps(enter)(uninterrupted_enter_call)  # type: ignore[return-value]
+
+
 def protect_frames_of(*functions: Callable[..., Any]) -> None:
     """Mark the frames of these functions (generator context managers: their set-up and tear-down parts) as
     not to be cut; a Ctrl-C there is raised by the next :func:`uninterrupted` call or the owner's exit."""
@@ -243,7 +266,7 @@ class Cleanup:
         self._shielded = False
         self._open = False
 
-    @uninterrupted
+    @uninterrupted_enter
     def __enter__(self) -> Cleanup:
         if self._open:
             raise RuntimeError("a Cleanup owner is not reentrant")

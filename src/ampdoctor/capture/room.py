@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from .cleanup import raise_held_interrupt, shield_sigint, uninterrupted, unshield_sigint
+from .cleanup import raise_held_interrupt, shield_sigint, uninterrupted, uninterrupted_enter, unshield_sigint
 
 # Frames torch's ``Module._call_impl`` adds per nesting level once a module has hooks (its ``inner`` closure), with
 # one to spare; and the frames of ampdoctor's own (passes, hooks, statistics) below and above the model.
@@ -51,7 +51,7 @@ class RecursionRoom:
         self.extra = (module_depth(root) if depth is None else depth) * _HOOK_FRAMES_PER_LEVEL + _OWN_FRAMES
         self.entered = False
 
-    @uninterrupted
+    @uninterrupted_enter
     def __enter__(self) -> RecursionRoom:
         with _room_lock:
             if self.entered:

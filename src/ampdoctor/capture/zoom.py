@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..records import Direction, OpFinding, SourceLocation
-from .cleanup import uninterrupted
+from .cleanup import uninterrupted, uninterrupted_enter
 from .dtypes import dtype_name
 from .stats import measuring
 from .walk import iter_tensors
@@ -196,7 +196,7 @@ class _Zoom(TorchDispatchMode):
         finally:
             self._flow.cells.clear()  # the per-element flags are spent: not held while the rest of the pass runs
 
-    @uninterrupted
+    @uninterrupted_enter
     def __enter__(self) -> _Zoom:
         if "torch._dynamo" in sys.modules and "__wrapped_dynamo__" not in _Zoom.__dict__:
             _Zoom.__torch_dispatch__ = torch._disable_dynamo(  # type: ignore[method-assign]

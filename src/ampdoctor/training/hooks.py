@@ -142,6 +142,7 @@ class WatchHooks:
             self.remove_tracked()
             self.tracked = [n for n in names if n]
 
+    @uninterrupted
     def remove_tracked(self) -> None:
         for handle in self.tracked_handles:
             handle.remove()

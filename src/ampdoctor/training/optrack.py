@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..capture.cleanup import uninterrupted
 from ..capture.hidden import ARITH, CAST, MAKE, counted_op, op_info
 from ..capture.stats import measuring
 from .forwards import HookTap
@@ -144,23 +145,30 @@ class OpTracker:
     def survey_due(self, step: int) -> bool:
         return step - self.last_survey >= SURVEY_EVERY
 
+    @uninterrupted
     def start_survey(self, step: int) -> None:
-        """Before a watched root forward: survey it."""
+        """Before a watched root forward: survey it. Uninterrupted (as every install and removal here), and the
+        survey is recorded only once its mode is pushed: a Ctrl-C never leaves a mode or hook that :meth:`close`
+        does not know of, nor one it would pop twice."""
         self.last_survey = step
         self.surveyed = True
-        survey = self.survey = _Survey(self.names, self.measure)
+        survey = _Survey(self.names, self.measure)
         for module in self.root.modules():  # (HookTap: a copy or pickle of the model made meanwhile keeps none)
             self._survey_handles.append(HookTap(module, survey.pre, survey.post, always_call=True))
         survey.__enter__()
+        self.survey = survey
 
+    @uninterrupted
     def end_survey(self) -> None:
         """After the surveyed forward (or when it raised: from the step's end, or the watch's close)."""
         survey, self.survey = self.survey, None
-        if survey is not None:
-            survey.__exit__(None, None, None)
-        for handle in self._survey_handles:
-            handle.remove()
-        self._survey_handles.clear()
+        try:
+            if survey is not None:
+                survey.__exit__(None, None, None)
+        finally:
+            for handle in self._survey_handles:
+                handle.remove()
+            self._survey_handles.clear()
 
     def flag_from_survey(self, maxima: dict[str, float]) -> None:
         """After a surveyed step's read-back (``maxima``: |x|max of module outputs and op keys): follow the
@@ -197,6 +205,7 @@ class OpTracker:
             self._install()
 
     # -- the taps --------------------------------------------------------------------------------------------
+    @uninterrupted
     def _install(self) -> None:
         self.remove_taps()
         modules = dict(self.root.named_modules())
@@ -214,11 +223,12 @@ class OpTracker:
                 self._taps.append(HookTap(child, self._child(name, 1), self._child(name, -1), always_call=True))
 
     def _push(self, name: str, wanted: dict[str, set[int]]) -> Callable[[nn.Module, Any], None]:
+        @uninterrupted
         def push(module: nn.Module, args: Any) -> None:
             if self.gate():
                 tap = _Tap(name, wanted, self.measure)
                 tap.__enter__()
-                self._active.append(tap)
+                self._active.append(tap)  # with the push: a Ctrl-C between the two would leave a mode unknown
 
         return push
 
@@ -232,12 +242,14 @@ class OpTracker:
         return child
 
     def _pop(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        @uninterrupted
         def pop(module: nn.Module, args: Any, output: Any) -> None:
             if self._active and self._active[-1].module == name:
                 self._active.pop().__exit__(None, None, None)
 
         return pop
 
+    @uninterrupted
     def remove_taps(self) -> None:
         while self._active:
             self._active.pop().__exit__(None, None, None)
@@ -245,6 +257,7 @@ class OpTracker:
             handle.remove()
         self._taps.clear()
 
+    @uninterrupted
     def close(self) -> None:
         self.end_survey()
         self.remove_taps()

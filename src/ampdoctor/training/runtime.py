@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..capture import sharded
-from ..capture.cleanup import uninterrupted
+from ..capture.cleanup import protect_frames_of, uninterrupted, uninterrupted_enter
 from ..capture.dtypes import LOW_DTYPES
 from ..capture.model import eager_calls, unwrap_model
 from ..capture.room import HeldWhileOn
@@ -168,7 +168,7 @@ class Watch:
         return self._failures.bundle_path
 
     # -- lifecycle ------------------------------------------------------------------------------------------
-    @uninterrupted
+    @uninterrupted_enter
     def __enter__(self) -> Watch:
         return self.start()
 
@@ -178,7 +178,7 @@ class Watch:
     ) -> None:
         self.close()
 
-    @uninterrupted
+    @uninterrupted_enter
     def start(self) -> Watch:
         """Install the root hooks and tap the scaler (``__enter__`` does this)."""
         if self.active:
@@ -492,3 +492,8 @@ def watch(*args: Any, **kwargs: Any) -> Watch:
     before anything is installed.
     """
     return Watch(*args, **kwargs).start()
+
+
+# A Ctrl-C between start() and the with statement's __enter__ waits for __enter__, which leaves again before raising
+# it (the with block would never reach its __exit__).
+protect_frames_of(watch)
