@@ -3,7 +3,8 @@
 * **10,000-module model** (5,000 ``Linear(4, 4)`` + ``ReLU``, batch 16): ``diagnose`` time in plain steps, its
   peak memory increment against a plain step's (fresh subprocess per mode, as ``overhead.py`` measures it), and
   the size of the HTML report (and of the text and JSON reports, for comparison); and, for reference, the same plain
-  step under the survey's hooks doing nothing (``hooks_floor_step``: the floor of a per-module-hook survey);
+  step under the survey's wrappers and hooks doing nothing (``hooks_floor_step``: the floor of the survey's design),
+  and with forward hooks instead of the wrappers;
 * **watch** on the 50- and 200-layer narrow MLPs (``Linear(64, 64)`` + ``ReLU``, batch 64, AdamW): statistics every
   step and defaults, against the same loop without it (``watch_overhead.measure``: interleaved blocks, process CPU
   time, best block);
@@ -183,24 +184,32 @@ class _NoopMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def hooks_floor_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
-    """A plain step under what the survey hangs, doing nothing: a forward pre- and post-hook (with kwargs) per
-    module, a gradient hook per module output and per parameter, one torch-function mode; registered and removed
-    through torch's public API, as a pass does. The floor of the survey's design on a model of many modules."""
+def hooks_floor_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Any], wrappers: bool = True) -> None:
+    """A plain step under what the survey hangs, doing nothing: per module an instance ``forward`` wrapper
+    (``wrappers``: the survey's design since call_wrappers) or a forward pre- and post-hook (with kwargs, through
+    torch's public API), a gradient hook per module output and per parameter, one torch-function mode. The floor
+    of the survey's design on a model of many modules."""
+    from ampdoctor.capture.call_wrappers import PassForwards
+
     handles: list[Any] = []
 
     def post(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g: None)
 
+    forwards = PassForwards(lambda m, a, k: None, post)
     try:
         for module in model.modules():
-            handles.append(module.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True))
-            handles.append(module.register_forward_hook(post, with_kwargs=True))
+            if wrappers:
+                forwards.wrap(module)
+            else:
+                handles.append(module.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True))
+                handles.append(module.register_forward_hook(post, with_kwargs=True))
         handles += [p.register_hook(lambda g: None) for p in model.parameters() if p.requires_grad]
         with _NoopMode():
             plain_step(model, batch, loss_fn)
     finally:
+        forwards.remove()
         for handle in handles:
             handle.remove()
 
@@ -219,16 +228,18 @@ def measure_tenk(repeats: int, memory: bool) -> dict[str, Any]:
         plain, _ = _clocked(lambda: plain_step(model, x, loss_fn))
         seconds, report = _clocked(diagnose)
         pairs.append((plain, seconds))
-    floor = []
+    floor, hook_floor = [], []
     for _ in range(repeats):
         plain, _ = _clocked(lambda: plain_step(model, x, loss_fn))
         floor.append((plain, _clocked(lambda: hooks_floor_step(model, x, loss_fn))[0]))
+        hook_floor.append((plain, _clocked(lambda: hooks_floor_step(model, x, loss_fn, wrappers=False))[0]))
     html_s, html = _clocked(lambda: render_html(report))
     text_s, text = _clocked(report.to_text)
     json_s, js = _clocked(report.to_json)
     out: dict[str, Any] = {
         "modules": modules, "plain_s": statistics.median(p for p, _ in pairs),
-        "diagnose_x": _median_ratio(pairs), "floor_x": _median_ratio(floor), "verdict": str(report.verdict),
+        "diagnose_x": _median_ratio(pairs), "floor_x": _median_ratio(floor),
+        "hook_floor_x": _median_ratio(hook_floor), "verdict": str(report.verdict),
         "passes": [(p.purpose, round(p.seconds, 2)) for p in report.run.passes],
         "html_bytes": len(html.encode()), "html_s": html_s, "text_bytes": len(text.encode()), "text_s": text_s,
         "json_bytes": len(js.encode()), "json_s": json_s,
@@ -385,8 +396,10 @@ def report(results: dict[str, Any]) -> None:
         print(f"| 10,000 modules: diagnose, plain steps (plain {t['plain_s']:.3f} s; {t['verdict']}; passes "
               f"{t['passes']}) | {t['diagnose_x']:.2f}× | ≤ {GATES['tenk_time']:g} | "
               f"{_gate(t['diagnose_x'], GATES['tenk_time'])} |")
-        print(f"| 10,000 modules: the survey's hooks doing nothing (floor of its design; no goal) | "
+        print(f"| 10,000 modules: the survey's wrappers and hooks doing nothing (floor of its design; no goal) | "
               f"{t['floor_x']:.2f}× | | |")
+        print(f"| 10,000 modules: the same with a forward pre- and post-hook per module instead of wrappers | "
+              f"{t['hook_floor_x']:.2f}× | | |")
         if "memory_x" in t:
             mx = t["memory_x"]
             print(f"| 10,000 modules: diagnose peak memory / plain step's (medians {t['diagnose_mib'] or 0:.1f} / "

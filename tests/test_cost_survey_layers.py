@@ -97,24 +97,31 @@ def _hook_entries(model: nn.Module) -> list[int]:
 
 
 def test_forward_hooks_need_no_handle_per_module_and_leave_no_entry_behind() -> None:
+    """Under a global module hook no module gets a forward wrapper (call_wrappers): every one gets hooks, in
+    torch's own dicts without a handle, except the class with its own registration, which is asked."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), OwnRegistration(4, 2))
     names = {id(m): n for n, m in model.named_modules()}
+    global_hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
     recorder = Recorder(names, list(model.modules()), StatsCollector(torch.float16, False), record_grads=True)
     OwnRegistration.registered = 0
-    recorder.install(list(model.named_parameters()))
     try:
-        assert len(recorder._module_handles) == 2  # only the class with its own registration got handles
-        assert OwnRegistration.registered == 1
-        # Every other module holds the same entries torch's registration would make (kwargs passed to the hooks).
-        for m in list(model.modules())[:3]:
-            assert list(m._forward_pre_hooks.values()) == [recorder._pre]
-            assert list(m._forward_hooks.values()) == [recorder._post]
-            assert list(m._forward_pre_hooks_with_kwargs) == list(m._forward_pre_hooks)
-            assert list(m._forward_hooks_with_kwargs) == list(m._forward_hooks)
-        model(torch.randn(2, 4))
-        assert [c.module for c in recorder.calls] == ["", "0", "1", "2"]
+        recorder.install(list(model.named_parameters()))
+        try:
+            assert len(recorder._module_handles) == 2  # only the class with its own registration got handles
+            assert OwnRegistration.registered == 1
+            # Every other module holds the same entries torch's registration would make (kwargs passed to the hooks).
+            for m in list(model.modules())[:3]:
+                assert list(m._forward_pre_hooks.values()) == [recorder._pre]
+                assert list(m._forward_hooks.values()) == [recorder._post]
+                assert list(m._forward_pre_hooks_with_kwargs) == list(m._forward_pre_hooks)
+                assert list(m._forward_hooks_with_kwargs) == list(m._forward_hooks)
+                assert "forward" not in vars(m)
+            model(torch.randn(2, 4))
+            assert [c.module for c in recorder.calls] == ["", "0", "1", "2"]
+        finally:
+            recorder.remove()
     finally:
-        recorder.remove()
+        global_hook.remove()
     assert _hook_entries(model) == [0] * len(_hook_entries(model))
     recorder.remove()  # idempotent
     assert all(not p._backward_hooks for p in model.parameters())

@@ -31,6 +31,7 @@ from torch import nn
 
 import ampdoctor
 from ampdoctor.capture import cleanup
+from ampdoctor.capture.call_wrappers import PassForwards
 from ampdoctor.capture.cleanup import Cleanup, on_cleanup, uninterrupted
 from ampdoctor.capture.state import RngState
 from ampdoctor.cli.main import main
@@ -143,6 +144,7 @@ def _interrupt_on_call(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, a
 @pytest.mark.parametrize(
     ("owner", "name", "at"),
     [
+        (PassForwards, "wrap", 7),  # a module's forward wrapped (for the pass), inside the install
         (nn.Module, "register_forward_hook", 7),  # a module hook registered, not yet in the recorder's list
         (nn.Module, "register_forward_pre_hook", 1),
         (torch.Tensor, "register_hook", 3),  # a tensor hook on a parameter
@@ -158,12 +160,19 @@ def test_ctrl_c_in_a_window_that_used_to_leak_leaves_nothing_behind(
     # torch's own (the path of module classes with their own registration), so the Ctrl-C lands in the install
 
     model, batch = model_and_batch(blocks=2)
-    before = state_of(model)
-    _interrupt_on_call(monkeypatch, owner, name, at)
-    with pytest.raises(KeyboardInterrupt):
-        ampdoctor.diagnose(model, batch, device_type="cpu", progress=False)
-    monkeypatch.undo()
-    assert differences(before, state_of(model)) == []
+    global_hook = None
+    if name.startswith("register_forward"):  # a global hook: every module gets hooks, none a forward wrapper
+        global_hook = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        before = state_of(model)
+        _interrupt_on_call(monkeypatch, owner, name, at)
+        with pytest.raises(KeyboardInterrupt):
+            ampdoctor.diagnose(model, batch, device_type="cpu", progress=False)
+        monkeypatch.undo()
+        assert differences(before, state_of(model)) == []
+    finally:
+        if global_hook is not None:
+            global_hook.remove()
 
 
 def test_a_ctrl_c_while_an_owner_enters_leaves_it_again_before_it_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,5 @@
-"""Hooks on a live model: forward hooks on every module, gradient hooks on what they return.
+"""Hooks on a live model: every module call seen (an instance ``forward`` wrapper where that sees what hooks would,
+:mod:`.call_wrappers`; forward hooks elsewhere), gradient hooks on what the calls return.
 
 Every handle is kept and removed by :meth:`Recorder.remove` (the pass calls it in ``finally``). Hooks never
 raise inside the user's forward or backward: they record the failure, and the pass raises after it.
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from ..records import GradKind
+from .call_wrappers import PassForwards, wrappers_fit
 from .cleanup import uninterrupted
 from .internal import _internal
 from .reference import FloatReference
@@ -123,6 +125,7 @@ class Recorder:
         self._module_handles: list[Any] = []
         self._hooked: list[nn.Module] = []  # modules holding the pass's forward hooks under ``_hook_ids``
         self._hook_ids = (-1, -1)
+        self._wrappers: Optional[PassForwards] = None  # instance forwards instead of hooks (call_wrappers)
         self._recompute: list[int] = []  # original call index of each re-run in progress (-1 unmatched, -2 ignored)
         self._matched: set[int] = set()
         self.uncaptured: list[str] = []  # re-run calls that could not be matched to their original call
@@ -141,10 +144,18 @@ class Recorder:
         ids = self._hook_ids = reserve_forward_ids()
         hooked = self._hooked
         dicts = hook_dicts_work()
+        # Where a wrapper sees what the hooks would, an instance forward instead (torch keeps its hook-free call
+        # path: most of the pass's cost per module on a model of many small ones; see call_wrappers).
+        wrappers = self._wrappers = PassForwards(pre, post) if wrappers_fit(self.modules) else None
+        fits = PassForwards.fits
         for module in self.modules:
-            if not dicts or type(module).register_forward_pre_hook is not _REGISTER_PRE or type(
+            own_registration = type(module).register_forward_pre_hook is not _REGISTER_PRE or type(
                 module
-            ).register_forward_hook is not _REGISTER_POST:
+            ).register_forward_hook is not _REGISTER_POST
+            if wrappers is not None and not own_registration and fits(module):
+                wrappers.wrap(module)
+                continue
+            if not dicts or own_registration:
                 self._module_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._module_handles.append(module.register_forward_hook(post, with_kwargs=True))
                 continue
@@ -185,6 +196,8 @@ class Recorder:
         for module in self._hooked:
             drop_forward_hooks(module, self._hook_ids)
         self._hooked.clear()
+        if self._wrappers is not None:
+            self._wrappers.remove()
         self._producers.clear()
 
     @uninterrupted
