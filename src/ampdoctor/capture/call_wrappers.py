@@ -141,7 +141,7 @@ class PassForwards:
             return output
 
         forward_seen_by_the_pass.__wrapped__ = forward  # type: ignore[attr-defined]
-        setattr(forward_seen_by_the_pass, _OWNER, self)
+        setattr(forward_seen_by_the_pass, _OWNER, True)  # a mark, not the owner: no cycle
         return forward_seen_by_the_pass
 
     def remove(self) -> None:

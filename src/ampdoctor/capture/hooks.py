@@ -198,6 +198,7 @@ class Recorder:
         self._hooked.clear()
         if self._wrappers is not None:
             self._wrappers.remove()
+            self._wrappers = None  # its wrappers call this recorder's methods: a cycle the cyclic collector frees
         self._producers.clear()
 
     @uninterrupted
