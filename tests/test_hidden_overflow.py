@@ -219,6 +219,29 @@ def test_no_mode_stays_behind_after_the_forward_raises() -> None:
     assert torch._C._len_torch_function_stack() == 0
 
 
+def test_the_watch_frees_its_forward_only_tables_before_the_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which node made each live tensor and the occurrence counts are an entry per op, needed by the forward only:
+    gone once the forward's values are queued (memory a model of many modules would otherwise hold to the end of
+    the pass), while the nodes stay for the readback and the answer is unchanged."""
+    from ampdoctor.capture import hidden
+    from ampdoctor.capture.passes import run_pass
+
+    watches: list[hidden.HiddenWatch] = []
+    queue = hidden.HiddenWatch.queue
+
+    def queued(self: hidden.HiddenWatch, collector: object) -> None:
+        assert self._where and self._occurrences  # filled by the forward
+        queue(self, collector)
+        watches.append(self)
+
+    monkeypatch.setattr(hidden.HiddenWatch, "queue", queued)
+    trace, _ = run_pass(pass_spec(Net(ScoresBeforeScaling()), tokens(300, 300, 10, 1)), 1.0)
+    (watch,) = watches
+    assert watch._where == {} and watch._occurrences == {}
+    assert watch.nodes
+    assert [(o.module, o.op) for o in trace.op_overflows] == [("attn", "matmul")]
+
+
 def _survey_overflows(model: nn.Module, batch: torch.Tensor) -> tuple[object, ...]:
     """The survey's own flags: the op overflows of a plain pass (no targets: flagged, not classified)."""
     return _survey_overflows_trace(model, batch).op_overflows

@@ -384,6 +384,10 @@ class HiddenWatch(TorchFunctionMode):
                 (collector.add_vector(torch.stack([flat[i] for i in where])), where) for where in groups.values()
             ]
         self.values = []  # the collector holds them now (0-d tensors, no activation)
+        # What only the forward needed (which node made each live tensor, occurrences per call and op): an entry
+        # per op, freed before the backward rather than with the pass.
+        self._where = {}
+        self._occurrences = {}
 
     def read_values(self, collector: Any, stats: Sequence[Any]) -> list[float]:
         """The values in the order they were queued, after ``collector.read()`` (which returned ``stats``)."""
