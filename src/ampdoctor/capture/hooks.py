@@ -147,12 +147,11 @@ class Recorder:
         # Where a wrapper sees what the hooks would, an instance forward instead (torch keeps its hook-free call
         # path: most of the pass's cost per module on a model of many small ones; see call_wrappers).
         wrappers = self._wrappers = PassForwards(pre, post) if wrappers_fit(self.modules) else None
-        fits = PassForwards.fits
         for module in self.modules:
             own_registration = type(module).register_forward_pre_hook is not _REGISTER_PRE or type(
                 module
             ).register_forward_hook is not _REGISTER_POST
-            if wrappers is not None and not own_registration and fits(module):
+            if wrappers is not None and not own_registration and wrappers.fits(module):
                 wrappers.wrap(module)
                 continue
             if not dicts or own_registration:
