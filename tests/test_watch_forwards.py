@@ -273,3 +273,51 @@ def test_a_copy_made_inside_a_step_records_nothing_into_the_watch() -> None:
     record = doctor.report().steps[0]
     assert record.micro_batches == 1  # the watched model's forward only
     assert max(record.out_abs_max.values()) < 100  # nothing of the copy's (1e3-scaled) outputs
+
+
+class _PropertyForward(nn.Module):
+    """``forward`` chosen by a property: a data descriptor, which wins over an instance ``forward`` wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2
+
+    @property
+    def forward(self):  # type: ignore[override]
+        return self._run
+
+
+def test_a_property_forward_module_is_measured_by_a_hook() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _PropertyForward(), nn.Linear(8, 3))
+    report = train(model, 2, stats_every=1)
+    # A wrapper would have been bypassed (torch calls the property's method): the module went unmeasured.
+    assert {"1", "1.lin"} <= set(report.steps[-1].out_abs_max)
+    assert_clean(model)
+
+
+def test_a_copy_of_a_parametrized_module_made_while_watched_computes_with_its_own_weights() -> None:
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 3))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(4, 8)
+    with ampdoctor.watch(model, scaler, stats_every=1, save_bundle=False):
+        step(model, scaler, opt, 0)
+        # parametrize's own __deepcopy__ copies the module's __dict__ as it is (an EMA copy, swa_utils.AveragedModel)
+        ema = copy.deepcopy(model)
+        for i in range(1, 3):
+            step(model, scaler, opt, i)  # the original's weights move
+        assert not {"forward", "__getstate__", "__deepcopy__"} & set(vars(ema[0]))
+        with torch.no_grad():
+            # the first version of the wrappers: the copy's forward was the original module's
+            assert torch.equal(ema[0](x), torch.nn.functional.linear(x, ema[0].weight, ema[0].bias))
+            assert not torch.equal(ema[0].weight, model[0].weight)
+    assert_clean(model)
+    for name, m in model.named_modules():
+        assert "__deepcopy__" not in m.__dict__, name

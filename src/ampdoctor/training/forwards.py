@@ -15,7 +15,12 @@ to the watch. Every promise of a hook holds:
   ``copy.deepcopy``, ``copy.copy`` and ``pickle`` look up on the instance) that returns the module's own state
   without either attribute, and without the watch's forward hooks (:class:`HookTap`: the root's, and those where
   a wrapper cannot go): a deep copy made while watched (EMA weights, a fixer's trial copy, ``torch.save`` of the
-  whole model) runs its own forward, unwatched, and pickles. ``state_dict`` never saw them.
+  whole model) runs its own forward, unwatched, and pickles. ``state_dict`` never saw them. A class that deep-copies
+  itself its own way (``torch.nn.utils.parametrize``'s copies ``__dict__`` as it is: weight norm, spectral norm)
+  gets an instance ``__deepcopy__`` that runs the class's on the module as it is without the installs (else the
+  copy's forward would be the original module's); a class that copies itself past ``__getstate__`` otherwise (its
+  own ``__copy__``, ``__reduce__``), or whose ``self.forward`` is not the class's plain function (a ``property``:
+  it would bypass the wrapper), is measured by a forward hook.
 * **The user's hooks** still run, in their order: a module that has forward hooks (the user's, FSDP2's), or runs
   under global ones, is measured by a forward hook registered after them (it sees the output they hand on, as
   before). Pre-hooks run before ``forward`` either way.
@@ -33,10 +38,13 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.utils.hooks import RemovableHandle
 
-# The instance attributes a tap sets (and takes away).
+from ..capture.call_wrappers import swapped
+
+# The instance attributes a tap sets (and takes away); ``__deepcopy__`` only where the class or the module has one.
 _FORWARD = "forward"
 _GETSTATE = "__getstate__"
-_ATTRIBUTES = (_FORWARD, _GETSTATE)
+_DEEPCOPY = "__deepcopy__"
+_ATTRIBUTES = (_FORWARD, _GETSTATE, _DEEPCOPY)
 # A module's forward hook dicts (a copy keeps none of an install's hook ids).
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks_with_kwargs")
@@ -81,9 +89,21 @@ class _Install:
         setattr(__getstate__, _TAP_ATTRIBUTE, self)
         self.guard = __getstate__
         d[_GETSTATE] = __getstate__
+        self.copier: Optional[Callable[..., Any]] = None
+        if _DEEPCOPY in d or getattr(type(module), _DEEPCOPY, None) is not None:
+            # A deepcopy of its own (parametrize's copies __dict__ as it is, past __getstate__): it runs on the
+            # module as it would be without any install, and the copy inherits none.
+            def __deepcopy__(memo: dict[int, Any]) -> Any:
+                had, own = self._beneath(_DEEPCOPY, every=True)
+                with swapped(d, self._clean(d)):
+                    return own(memo) if had else type(module).__deepcopy__(module, memo)  # type: ignore[attr-defined]
+
+            setattr(__deepcopy__, _TAP_ATTRIBUTE, self)
+            self.copier = __deepcopy__
+            d[_DEEPCOPY] = __deepcopy__
 
     def _ours(self, name: str) -> Optional[Callable[..., Any]]:
-        return self.wrapper if name == _FORWARD else self.guard
+        return self.wrapper if name == _FORWARD else self.guard if name == _GETSTATE else self.copier
 
     def _beneath(self, name: str, every: bool) -> tuple[bool, Any]:
         """What the module had under this install's attribute ``name``, past the installs beneath it that left

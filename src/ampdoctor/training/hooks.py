@@ -23,6 +23,7 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
+from ..capture.call_wrappers import wrappable_class
 from ..capture.cleanup import uninterrupted
 from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
@@ -272,7 +273,7 @@ class WatchHooks:
         """Measure ``module``'s outputs from now on: by a forward wrapper (torch's fast call path kept), or by a
         forward hook after the module's own hooks (see :mod:`.forwards`)."""
         probe = self.probe(module)
-        if self.wrappers and not has_forward_hooks(module):
+        if self.wrappers and not has_forward_hooks(module) and wrappable_class(type(module)):
             return ForwardTap(module, probe.measure)
         return HookTap(module, post=probe)
 
