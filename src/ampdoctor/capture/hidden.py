@@ -59,6 +59,7 @@ from .hidden_ops import (
 from .internal import INTERNAL, _internal
 from .state import written_tensor
 from .stats import format_limits
+from .walk import transformed as _transformed
 from .zoom import innermost_user_line
 
 __all__ = ["MAX_CONSUMERS", "HiddenWatch", "Paused", "counted_op", "op_info", "targets_of", "watching"]
@@ -134,6 +135,7 @@ class HiddenWatch(TorchFunctionMode):
         # costs more than the reduction on small tensors); read back with the pass's statistics.
         self.values: list[Any] = []
         self._count = 0  # values queued, pairs counted as two
+        self.transformed_ops = 0  # ops inside a torch.func transform (vmap, grad): not watched
         self.error: Optional[str] = None
         self._where: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, ...]]] = {}
         self._occurrences: dict[tuple[Optional[int], str], int] = {}
@@ -192,9 +194,15 @@ class HiddenWatch(TorchFunctionMode):
             first = outs[0]
             if not isinstance(first, torch.Tensor) or not first.is_floating_point():
                 return
+            if _transformed(first):
+                self.transformed_ops += 1
+                return
             tensors = [first]
         else:
             tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if tensors and _transformed(tensors[0]):
+                self.transformed_ops += 1
+                return
             if not tensors:
                 return
         if category == SKIP:  # memory not written yet: no values of anyone's (whatever stale bytes it holds)

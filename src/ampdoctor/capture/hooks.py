@@ -31,6 +31,7 @@ from .tensor_hooks import (
     reserve_forward_ids,
     set_forward_hooks,
 )
+from .walk import in_transform as _in_transform
 from .walk import iter_tensors
 from .zoom import OpZoom
 
@@ -129,6 +130,7 @@ class Recorder:
         self._recompute: list[int] = []  # original call index of each re-run in progress (-1 unmatched, -2 ignored)
         self._matched: set[int] = set()
         self.uncaptured: list[str] = []  # re-run calls that could not be matched to their original call
+        self.transformed_calls = 0  # module calls inside a torch.func transform (vmap): not measured
         self._stash: list[tuple[int, str, torch.Tensor]] = []
         self._stashed = 0
         # The hidden-overflow watch's pause (capture.hidden.Paused), set by the pass that installs the watch.
@@ -259,6 +261,9 @@ class Recorder:
         # Python otherwise). A float32 reference re-runs the model's own code in the hook: under the guard, so
         # only the watch steps aside then.
         # (INTERNAL written out inline: these run twice per module call.)
+        if _in_transform():  # a module called by vmap (and its post-hook, likewise): values only vmap can read
+            self.transformed_calls += 1
+            return
         depth = getattr(_internal, "depth", 0)
         _internal.depth = depth + 1
         try:
@@ -268,6 +273,8 @@ class Recorder:
             _internal.depth = depth
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if _in_transform():
+            return
         depth = getattr(_internal, "depth", 0)
         _internal.depth = depth + 1
         try:

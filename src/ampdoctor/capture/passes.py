@@ -39,7 +39,7 @@ from .room import RecursionRoom, module_depth
 from .state import StateGuard
 from .stats import StatsCollector
 from .trace_build import build_trace, grad_events
-from .walk import call_model, iter_tensors
+from .walk import call_model, iter_tensors, transform_note
 from .zoom import BackwardZoom, OpZoom
 
 # A survey keeps its graph for the probes when the parameters' gradients are at least this many times the largest
@@ -375,6 +375,7 @@ class _Step:
                 notes += (f"the hidden-overflow watch could not inspect {self.hidden.error}",)
         if self.emulated is not None:
             notes += tuple(self.emulated.notes())
+        notes += transform_note(recorder.transformed_calls, self.hidden.transformed_ops if self.hidden else 0)
         self.first = dataclasses.replace(
             trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
             autocast=self.autocast_on, op_overflows=overflows, op_peaks=peaks,

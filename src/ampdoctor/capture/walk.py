@@ -11,6 +11,32 @@ from torch import nn
 
 _MAX_WALK_DEPTH = 8
 
+# torch.func's transforms (vmap, grad, jvp): the tensors a transformed function sees are wrappers whose values
+# exist only inside it (a statistic of one, read after the transform, fails: "your tensor may have escaped").
+_interpreters = torch._C._functorch.peek_interpreter_stack
+_is_transformed = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def transformed(t: torch.Tensor) -> bool:
+    """``t`` is a tensor inside a ``torch.func`` transform (``vmap``'s batched tensors, ``grad``'s)."""
+    return bool(_is_transformed(t))
+
+
+def in_transform() -> bool:
+    """Code inside a ``torch.func`` transform runs now (a module called by ``vmap``)."""
+    return _interpreters() is not None
+
+
+def transform_note(calls: int, ops: int) -> tuple[str, ...]:
+    """The pass's note on what ran inside ``torch.func`` transforms, unmeasured (none: no note)."""
+    if not calls and not ops:
+        return ()
+    return (
+        f"{calls} module call(s) and {ops} op(s) ran inside a torch.func transform (vmap, grad, jvp) and were not "
+        "measured: their values exist only inside the transform; what the transformed function returns is measured "
+        "where it leaves it",
+    )
+
 
 def iter_tensors(obj: Any, path: str, _depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(path, tensor)`` for every tensor in tuples, lists, dicts, dataclasses and ``ModelOutput``s."""

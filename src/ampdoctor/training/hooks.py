@@ -28,7 +28,7 @@ from ..capture.cleanup import uninterrupted
 from ..capture.dtypes import autocast_dtype
 from ..capture.hooks import register_grad_hook
 from ..capture.tensor_hooks import hook_dicts_work
-from ..capture.walk import iter_tensors
+from ..capture.walk import in_transform, iter_tensors
 from .compiled import CompiledStats, RootTap, is_compiled
 from .fastpath import OWN_KEY, hang_grad_hook
 from .forwards import ForwardTap, HookTap, Tap, has_forward_hooks, wrappers_fit
@@ -319,7 +319,7 @@ class _ModuleProbe:
 
     def measure(self, output: Any) -> None:
         hooks = self.hooks
-        if hooks.open and type(output) is torch.Tensor and self.name and not _mode_on():
+        if hooks.open and type(output) is torch.Tensor and self.name and not _mode_on() and not in_transform():
             # the hot path (a watched root forward, one tensor, no torch function mode): no call of our own but the
             # collector's put
             try:
@@ -346,6 +346,8 @@ class _ModuleProbe:
                 return
         if not self.name:
             return  # the root: recorded by root_post
+        if in_transform():
+            return  # called by vmap (torch.func): values that exist only inside the transform
         if _mode_on():  # a mode runs: our reads (properties too) are unseen()
             with torch._C.DisableTorchFunction():
                 self._record(output)
