@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import pickle
 
 import torch
 from torch import nn
@@ -141,6 +142,11 @@ def test_a_forward_read_during_the_pass_is_not_a_pass_wrapper() -> None:
     assert str(report.verdict) == "overflow"
     assert report.forward_origin is not None and report.forward_origin.module == "a"
     assert report.forward_origin.op is not None and report.forward_origin.op.op == "aten::addmm"
+    # A copy or pickle of the model takes the copy's own forward for the kept one, as without the diagnosis.
+    for made in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with torch.no_grad():
+            made.a.weight.mul_(2.0)
+            assert torch.equal(made._impl(x), nn.Linear.forward(made.a, x))
 
 
 class EmaInForward(nn.Module):

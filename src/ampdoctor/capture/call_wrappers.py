@@ -237,6 +237,8 @@ class PassForwards:
             return output
 
         forward_seen_by_the_pass.__wrapped__ = forward  # type: ignore[attr-defined]
+        # A kept bound wrapper pickles as getattr(module, __name__): the module's own forward when loaded.
+        forward_seen_by_the_pass.__name__ = _FORWARD
         # The mark is the live list, not the owner: no cycle through PassForwards (and a spent list holds nothing).
         setattr(forward_seen_by_the_pass, _OWNER, live)
         return forward_seen_by_the_pass

@@ -13,14 +13,18 @@ to the watch. Every promise of a hook holds:
   inside it, then measures nothing once the watch is closed). Two watches' wrappers stack and leave in any order.
 * **Nothing leaks into a copy.** While a tap is on, the module also gets an instance ``__getstate__`` (which
   ``copy.deepcopy``, ``copy.copy`` and ``pickle`` look up on the instance) that returns the module's own state
-  without either attribute, and without the watch's forward hooks (:class:`HookTap`: the root's, and those where
-  a wrapper cannot go): a deep copy made while watched (EMA weights, a fixer's trial copy, ``torch.save`` of the
-  whole model) runs its own forward, unwatched, and pickles. ``state_dict`` never saw them. A class that deep-copies
-  itself its own way (``torch.nn.utils.parametrize``'s copies ``__dict__`` as it is: weight norm, spectral norm)
-  gets an instance ``__deepcopy__`` that runs the class's on the module as it is without the installs (else the
-  copy's forward would be the original module's); a class that copies itself past ``__getstate__`` otherwise (its
-  own ``__copy__``, ``__reduce__``), or whose ``self.forward`` is not the class's plain function (a ``property``:
-  it would bypass the wrapper), is measured by a forward hook.
+  without the tap's attributes, and without the watch's forward hooks (:class:`HookTap`: the root's, and those
+  where a wrapper cannot go): a deep copy made while watched (EMA weights, a fixer's trial copy, ``torch.save`` of
+  the whole model) runs its own forward, unwatched, and pickles. ``state_dict`` never saw them. An instance
+  ``__deepcopy__`` makes the copy from the module as it is without the installs, whatever its class is by then
+  (``torch.nn.utils.parametrize``'s classes copy ``__dict__`` as it is, and parametrizing a module changes its
+  class), and a class that reduces itself its own way (``torch.fx``'s ``GraphModule`` pickles a copy of
+  ``__dict__``) gets an instance ``__reduce_ex__`` that does the same. A wrapper the model's code keeps
+  (``self.impl = self.child.forward``) is the forward it wraps to a copy and to pickle. A module whose
+  ``self.forward`` is not the class's plain function (a ``property`` would bypass the wrapper), or whose class has
+  its own ``__copy__`` or ``__reduce__``, is measured by a forward hook. Not covered: a class ``__copy__`` that
+  copies ``__dict__`` as it is (the shallow copy shares the installs, which cannot tell which module they are read
+  from).
 * **The user's hooks** still run, in their order: a module that has forward hooks (the user's, FSDP2's), or runs
   under global ones, is measured by a forward hook registered after them (it sees the output they hand on, as
   before). Pre-hooks run before ``forward`` either way.
@@ -31,6 +35,7 @@ to the watch. Every promise of a hook holds:
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
 
@@ -40,16 +45,24 @@ from torch.utils.hooks import RemovableHandle
 
 from ..capture.call_wrappers import swapped
 
-# The instance attributes a tap sets (and takes away); ``__deepcopy__`` only where the class or the module has one.
+# The instance attributes a tap sets (and takes away).
 _FORWARD = "forward"
 _GETSTATE = "__getstate__"
 _DEEPCOPY = "__deepcopy__"
-_ATTRIBUTES = (_FORWARD, _GETSTATE, _DEEPCOPY)
+_REDUCE = "__reduce_ex__"  # only on a class that reduces itself its own way (torch.fx's GraphModule)
+_ATTRIBUTES = (_FORWARD, _GETSTATE, _DEEPCOPY, _REDUCE)
 # A module's forward hook dicts (a copy keeps none of an install's hook ids).
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks_with_kwargs")
-# The attribute of a tap's functions that leads back to the tap (a second watch's tap finds the first one by it).
+# The attribute of a tap's functions that leads back to the tap (a second watch's tap finds the first one by it);
+# only the very object the tap set counts (functools.update_wrapper copies a function's attributes to another).
 _TAP_ATTRIBUTE = "_ampdoctor_forward_tap"
+
+
+def _install_of(value: Any, name: str) -> Optional[_Install]:
+    """The install that set ``value`` as a module's attribute ``name``, if one did."""
+    install = getattr(value, _TAP_ATTRIBUTE, None)
+    return install if isinstance(install, _Install) and install._ours(name) is value else None
 
 
 def wrappers_fit(model: nn.Module, root: nn.Module) -> bool:
@@ -88,30 +101,51 @@ class _Install:
 
         setattr(__getstate__, _TAP_ATTRIBUTE, self)
         self.guard = __getstate__
-        d[_GETSTATE] = __getstate__
-        self.copier: Optional[Callable[..., Any]] = None
-        if _DEEPCOPY in d or getattr(type(module), _DEEPCOPY, None) is not None:
-            # A deepcopy of its own (parametrize's copies __dict__ as it is, past __getstate__): it runs on the
-            # module as it would be without any install, and the copy inherits none.
-            def __deepcopy__(memo: dict[int, Any]) -> Any:
-                had, own = self._beneath(_DEEPCOPY, every=True)
-                with swapped(d, self._clean(d)):
-                    return own(memo) if had else type(module).__deepcopy__(module, memo)  # type: ignore[attr-defined]
 
-            setattr(__deepcopy__, _TAP_ATTRIBUTE, self)
-            self.copier = __deepcopy__
-            d[_DEEPCOPY] = __deepcopy__
+        def __deepcopy__(memo: dict[int, Any]) -> Any:
+            # On the module as it would be without any install, whatever its class is by then (parametrize's
+            # deepcopy copies __dict__ as it is, past __getstate__; parametrizing a module changes its class).
+            had, own = self._beneath(_DEEPCOPY, every=True)
+            class_copy = getattr(type(module), _DEEPCOPY, None)
+            with swapped(d, self._clean(d)):
+                if had:
+                    return own(memo)
+                if class_copy is not None:
+                    return class_copy(module, memo)
+                reduced = module.__reduce_ex__(4)  # copy.deepcopy's own way for a class without __deepcopy__
+                return module if isinstance(reduced, str) else copy._reconstruct(module, memo, *reduced)  # type: ignore[attr-defined]
+
+        setattr(__deepcopy__, _TAP_ATTRIBUTE, self)
+        self.copier = __deepcopy__
+        self.reducer: Optional[Callable[..., Any]] = None
+        cls = type(module)
+        if _REDUCE in d or cls.__reduce_ex__ is not object.__reduce_ex__ or cls.__reduce__ is not object.__reduce__:
+
+            def __reduce_ex__(protocol: Any) -> Any:
+                # pickle (and a copy) of a class that reduces itself past __getstate__ (GraphModule pickles a copy
+                # of __dict__): on the module as it would be without any install
+                had, own = self._beneath(_REDUCE, every=True)
+                with swapped(d, self._clean(d)):
+                    return own(protocol) if had else type(module).__reduce_ex__(module, protocol)
+
+            setattr(__reduce_ex__, _TAP_ATTRIBUTE, self)
+            self.reducer = __reduce_ex__
+            d[_REDUCE] = __reduce_ex__
+        d[_GETSTATE] = __getstate__
+        d[_DEEPCOPY] = __deepcopy__
 
     def _ours(self, name: str) -> Optional[Callable[..., Any]]:
-        return self.wrapper if name == _FORWARD else self.guard if name == _GETSTATE else self.copier
+        if name == _FORWARD:
+            return self.wrapper
+        return self.guard if name == _GETSTATE else self.copier if name == _DEEPCOPY else self.reducer
 
     def _beneath(self, name: str, every: bool) -> tuple[bool, Any]:
         """What the module had under this install's attribute ``name``, past the installs beneath it that left
         already (``every``: past all of them, for a copy)."""
         had, own = self.had[name]
         while had:
-            below = getattr(own, _TAP_ATTRIBUTE, None)
-            if not isinstance(below, _Install) or not (every or below.dead):
+            below = _install_of(own, name)
+            if below is None or not (every or below.dead):
                 break
             had, own = below.had[name]
         return had, own
@@ -122,8 +156,8 @@ class _Install:
         while True:
             found.append(at)
             had, own = at.had[_GETSTATE]
-            below = getattr(own, _TAP_ATTRIBUTE, None) if had else None
-            if not isinstance(below, _Install):
+            below = _install_of(own, _GETSTATE) if had else None
+            if below is None:
                 return found
             at = below
 
@@ -135,8 +169,9 @@ class _Install:
             return state
         d = dict(d)
         for name in _ATTRIBUTES:
-            if isinstance(getattr(d.get(name), _TAP_ATTRIBUTE, None), _Install):
-                had, own = self._beneath(name, every=True)
+            install = _install_of(d.get(name), name)
+            if install is not None:
+                had, own = install._beneath(name, every=True)
                 if had:
                     d[name] = own
                 else:
@@ -173,17 +208,44 @@ class ForwardTap(_Install):
 
     def __init__(self, module: nn.Module, measure: Callable[[Any], None]) -> None:
         super().__init__(module)
-        inner = module.forward  # the module's own instance forward, else its class's, bound
+        # the module's own instance forward, else its class's, bound
+        self.wrapper = _Forward(self, module.forward, measure)
+        module.__dict__[_FORWARD] = self.wrapper
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            output = inner(*args, **kwargs)
-            measure(output)
-            return output
+    def remove(self) -> None:
+        super().remove()
+        if isinstance(self.wrapper, _Forward):
+            self.wrapper.measure = _measure_nothing  # a kept wrapper holds no watch
 
-        forward.__wrapped__ = inner  # type: ignore[attr-defined]  # inspect.signature sees the module's forward
-        setattr(forward, _TAP_ATTRIBUTE, self)
-        self.wrapper = forward
-        module.__dict__[_FORWARD] = forward
+
+def _measure_nothing(output: Any) -> None:
+    return None
+
+
+class _Forward:
+    """A tap's ``forward``: the module's forward, then ``measure`` of its output while the tap is on. The model's
+    code may keep it (``self.impl = self.child.forward``): then it is what it wraps to a copy and to pickle (a
+    deep copy of the model holds the copy's own forward, as it would without the watch)."""
+
+    __slots__ = (_TAP_ATTRIBUTE, "inner", "measure", "__wrapped__")
+
+    def __init__(self, tap: _Install, inner: Callable[..., Any], measure: Callable[[Any], None]) -> None:
+        setattr(self, _TAP_ATTRIBUTE, tap)
+        self.inner = inner
+        self.measure = measure
+        self.__wrapped__ = inner  # inspect.signature sees the module's forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.inner(*args, **kwargs)
+        if not getattr(self, _TAP_ATTRIBUTE).dead:
+            self.measure(output)
+        return output
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.inner, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.inner.__reduce_ex__(protocol)
 
 
 class HookTap(_Install):
