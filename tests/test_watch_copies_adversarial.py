@@ -12,21 +12,10 @@ import functools
 import io
 
 import torch
+from test_watch_forwards import step
 from torch import nn
 
 import ampdoctor
-
-FP16 = torch.float16
-
-
-def step(model: nn.Module, scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, i: int) -> None:
-    opt.zero_grad()
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) * (i + 1)
-    with torch.autocast("cpu", dtype=FP16):
-        out = model(x)
-    scaler.scale(out.float().pow(2).mean()).backward()
-    scaler.step(opt)
-    scaler.update()
 
 
 def setup(model: nn.Module) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer]:
