@@ -106,14 +106,8 @@ class _Install:
             # On the module as it would be without any install, whatever its class is by then (parametrize's
             # deepcopy copies __dict__ as it is, past __getstate__; parametrizing a module changes its class).
             had, own = self._beneath(_DEEPCOPY, every=True)
-            class_copy = getattr(type(module), _DEEPCOPY, None)
-            with swapped(d, self._clean(d)):
-                if had:
-                    return own(memo)
-                if class_copy is not None:
-                    return class_copy(module, memo)
-                reduced = module.__reduce_ex__(4)  # copy.deepcopy's own way for a class without __deepcopy__
-                return module if isinstance(reduced, str) else copy._reconstruct(module, memo, *reduced)  # type: ignore[attr-defined]
+            with swapped(d, self._clean(d)):  # no __deepcopy__ of ours in there: copy.deepcopy does as without one
+                return own(memo) if had else copy.deepcopy(module, memo)
 
         setattr(__deepcopy__, _TAP_ATTRIBUTE, self)
         self.copier = __deepcopy__
