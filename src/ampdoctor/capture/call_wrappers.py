@@ -179,7 +179,15 @@ def _without_ours(d: dict[str, Any]) -> dict[str, Any]:
 
 def _is_ours(value: Any) -> bool:
     func = getattr(value, "__func__", None) if type(value) is types.MethodType else None
-    return func is _plain_state or func is _plain_deepcopy or getattr(func, _OWNER, None) is not None
+    return func is _plain_state or func is _plain_deepcopy or _live_of(func) is not None
+
+
+def _live_of(func: Any) -> Optional[list[Hook]]:
+    """The live list of a pass's wrapper function; None for anything else (functools.update_wrapper copies the
+    wrapper's mark onto another callable: only the wrapper's own code counts)."""
+    if type(func) is types.FunctionType and func.__code__ is _WRAPPER_CODE:
+        return getattr(func, _OWNER, None)  # type: ignore[no-any-return]
+    return None
 
 
 class PassForwards:
@@ -251,7 +259,7 @@ class PassForwards:
         for module in self.modules:
             d = module.__dict__
             forward = d.get(_FORWARD)
-            if type(forward) is types.MethodType and getattr(forward.__func__, _OWNER, None) is live:
+            if type(forward) is types.MethodType and _live_of(forward.__func__) is live:
                 del d[_FORWARD]
             for name in (_GETSTATE, _DEEPCOPY):
                 if _is_ours(d.get(name)):
@@ -266,7 +274,11 @@ def _spent(
     module where there is one, so that pass sees the call; else the class's ``forward``, as without any pass."""
     current = module.__dict__.get(_FORWARD)
     if type(current) is types.MethodType and current.__self__ is module:
-        mark = getattr(current.__func__, _OWNER, None)
+        mark = _live_of(current.__func__)
         if mark and mark is not live:
             return current(*args, **kwargs)
     return forward(module, *args, **kwargs)
+
+
+# The code of every pass's wrapper (what tells a wrapper from a callable that copied its attributes).
+_WRAPPER_CODE = PassForwards(_spent, _spent)._wrapper(_spent).__code__  # type: ignore[arg-type]  # (read only)

@@ -36,6 +36,7 @@ to the watch. Every promise of a hook holds:
 from __future__ import annotations
 
 import copy
+import operator
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
 
@@ -221,13 +222,14 @@ class _Forward:
     code may keep it (``self.impl = self.child.forward``): then it is what it wraps to a copy and to pickle (a
     deep copy of the model holds the copy's own forward, as it would without the watch)."""
 
-    __slots__ = (_TAP_ATTRIBUTE, "inner", "measure", "__wrapped__")
+    __slots__ = (_TAP_ATTRIBUTE, "inner", "measure", "__wrapped__", "__name__")
 
     def __init__(self, tap: _Install, inner: Callable[..., Any], measure: Callable[[Any], None]) -> None:
         setattr(self, _TAP_ATTRIBUTE, tap)
         self.inner = inner
         self.measure = measure
         self.__wrapped__ = inner  # inspect.signature sees the module's forward
+        self.__name__ = getattr(inner, "__name__", _FORWARD)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         output = self.inner(*args, **kwargs)
@@ -239,7 +241,8 @@ class _Forward:
         return copy.deepcopy(self.inner, memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return self.inner.__reduce_ex__(protocol)
+        # loaded as the forward it wraps, with nothing of ampdoctor's in the pickle (a standard-library getter)
+        return operator.itemgetter(0), ((self.inner,),)
 
 
 class HookTap(_Install):

@@ -182,8 +182,8 @@ class WatchHooks:
     def root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         w = self.w
         # an evaluation forward is no training step, and ampdoctor's own passes are not training at all
-        if not w.active or not torch.is_grad_enabled() or diagnosing():
-            return
+        if not w.active or not torch.is_grad_enabled() or diagnosing() or in_transform():
+            return  # (a model run by vmap: its values exist only inside the transform)
         try:
             if w.low is None:
                 w.low = autocast_dtype(w.device_type)

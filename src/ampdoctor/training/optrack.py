@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from ..capture.cleanup import uninterrupted
 from ..capture.hidden import ARITH, CAST, MAKE, counted_op, op_info
 from ..capture.stats import measuring
+from ..capture.walk import in_transform
 from .forwards import HookTap
 
 LOW = (torch.float16, torch.bfloat16)
@@ -75,7 +76,7 @@ class _Survey(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if self.stack and not measuring():
+        if self.stack and not measuring() and not in_transform():  # (vmap's ops: values only it can read)
             with torch._C.DisableTorchFunction():  # our reads are no op of the model's for a mode below this one
                 self._count(func, args, out)
         return out
@@ -110,7 +111,7 @@ class _Tap(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if not self.depth and not measuring():
+        if not self.depth and not measuring() and not in_transform():
             with torch._C.DisableTorchFunction():  # our reads are no op of the model's for a mode below this one
                 self._count(func, args, out)
         return out
