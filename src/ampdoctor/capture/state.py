@@ -248,6 +248,11 @@ class _WriteGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _same_entries(current: Mapping[str, Any], before: Mapping[str, Any]) -> bool:
+    """The same names holding the same objects (by identity: == on tensors compares values)."""
+    return current.keys() == before.keys() and all(map(operator.is_, map(current.get, before), before.values()))
+
+
 class StateGuard:
     """Keeps everything a pass could change of the user's model as it was.
 
@@ -285,7 +290,9 @@ class StateGuard:
             (m, dict(m._parameters) if m._parameters else _NONE) for m in self.modules
         ]
         self.originals = {id(b): b for _, names in self.buffer_names for b in names.values() if b is not None}
-        self.training = [(m, m.training) for m in self.modules]
+        # Flag, class and children per module: a forward that parametrizes a child (parametrize swaps the class and
+        # adds a ModuleDict) or removes a parametrization is undone too (its parameters are, by param_slots).
+        self.training = [(m, m.training, type(m), dict(m._modules) if m._modules else _NONE) for m in self.modules]
         self.params = params
         self.versions = {id(p): p._version for _, p in params}
         self.names = {id(p): name for name, p in params}
@@ -350,6 +357,7 @@ class StateGuard:
     def rewind(self) -> None:
         """Before each pass: the same RNG draws, the original parameters, fresh copies of the buffers."""
         self.rng.restore()
+        self._put_structure()
         self._put_parameters()
         self._restore_params()
         copies = {key: b.detach().clone() for key, b in self.originals.items()}
@@ -361,6 +369,7 @@ class StateGuard:
         """At the end: the user's own buffer tensors, parameters, flags and RNG, exactly as they were. Idempotent;
         runs to its end even when Ctrl-C arrives meanwhile."""
         self.rng.restore()
+        self._put_structure()
         self._put_parameters()
         self._restore_params()
         self._put_buffers(self.originals)
@@ -382,17 +391,36 @@ class StateGuard:
 
     def _put_training(self) -> None:
         # Set only where a forward changed it (nn.Module.__setattr__ is a long way for ten thousand modules).
-        for module, flag in self.training:
+        for module, flag, _, _ in self.training:
             if module.training != flag:
                 module.training = flag
+
+    def _put_structure(self) -> None:
+        changed = []
+        for module, _, cls, children in self.training:
+            current = module._modules
+            if type(module) is not cls:
+                module.__class__ = cls
+                changed.append(module)
+            if (current or children) and not _same_entries(current, children):
+                current.clear()
+                current.update(children)
+                changed.append(module)
+        if changed:
+            note = (
+                "the forward changes module classes or submodules (a parametrization added or removed, a child "
+                "replaced); each pass started from, and the model keeps, the original structure"
+            )
+            if note not in self.notes:
+                self.notes.append(note)
 
     def _put_parameters(self) -> None:
         for module, before in self.param_slots:
             current = module._parameters
             if not current and not before:
                 continue
-            if current.keys() == before.keys() and all(map(operator.is_, map(current.get, before), before.values())):
-                continue  # nothing assigned (compared by identity: == on tensors compares values)
+            if _same_entries(current, before):
+                continue  # nothing assigned
             replaced = [n for n in module._parameters if module._parameters[n] is not before.get(n)]
             for name in [n for n in module._parameters if n not in before]:
                 del module._parameters[name]
