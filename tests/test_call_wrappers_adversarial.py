@@ -177,3 +177,38 @@ def test_a_copy_through_a_class_deepcopy_carries_no_wrapper() -> None:
     assert not {"forward", "__getstate__", "__deepcopy__"} & set(vars(model.body))
     x = torch.randn(3, W)
     assert torch.equal(made(x), model.body(x))
+
+
+class ParametrizesInForward(nn.Module):
+    """Parametrizes its child on the first call, then deep-copies it: the child's class changes during the pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(W, W)
+        self.head = nn.Linear(W, 2)
+        self.copies: list[nn.Module] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.copies:
+            parametrizations.weight_norm(self.a)
+            self.copies.append(copy.deepcopy(self.a))
+        return self.head(self.a(x))
+
+
+def test_a_module_whose_class_changes_during_the_pass_is_copied_clean_and_put_back() -> None:
+    torch.manual_seed(0)
+    model = ParametrizesInForward()
+    weight = model.a.weight
+    report = _diagnose(model, torch.randn(4, W))
+    assert str(report.verdict) == "healthy"
+    (made,) = model.copies
+    ours = {"forward", "__getstate__", "__deepcopy__"}
+    assert not ours & set(vars(made)) and not ours & set(vars(model.a))
+    x = torch.randn(3, W)
+    with torch.no_grad():
+        made.parametrizations.weight.original0.mul_(2.0)  # the copy's own magnitude
+        assert torch.allclose(made(x), nn.functional.linear(x, made.weight, made.bias))
+        assert not torch.allclose(made(x), nn.functional.linear(x, weight, model.a.bias))
+    # The model is put back as it was: a plain Linear with its own weight (the state guard, with a note).
+    assert type(model.a) is nn.Linear and model.a.weight is weight and not model.a._modules
+    assert any("module classes or submodules" in n for n in report.run.notes)

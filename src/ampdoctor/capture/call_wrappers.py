@@ -11,9 +11,9 @@ a plain function as its class's ``forward`` gets, for the pass:
   function per class), which runs the pre-hook, the class's ``forward`` and the post-hook as torch would run them.
   ``inspect.signature(module.forward)`` still reads the class's ``forward`` (``__wrapped__``).
 * ``module.__dict__["__getstate__"]``: the module's state without either attribute, so a copy or pickle made
-  during the pass (``copy.deepcopy`` of a layer inside a forward) runs its own forward, unwrapped; and, where the
-  class has a ``__deepcopy__`` of its own (``torch.nn.utils.parametrize`` gives one that copies ``__dict__`` as it
-  is), ``module.__dict__["__deepcopy__"]``, which runs it with the pass's attributes taken out for the copy.
+  during the pass (``copy.deepcopy`` of a layer inside a forward) runs its own forward, unwrapped; and
+  ``module.__dict__["__deepcopy__"]``, which makes a deep copy with the pass's attributes taken out (a class's own
+  ``__deepcopy__``, ``torch.nn.utils.parametrize``'s, copies ``__dict__`` as it is).
 
 A bound wrapper that the model's own code keeps (``self._impl = self.child.forward`` on the first call) outlives
 the pass: once the pass is over it records nothing and holds nothing of it, and calls the forward of a later
@@ -32,6 +32,7 @@ someone set over ours meanwhile.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import types
 import weakref
@@ -167,10 +168,11 @@ def _plain_state(module: nn.Module) -> Any:
 
 
 def _plain_deepcopy(module: nn.Module, memo: dict[int, Any]) -> Any:
-    """``copy.deepcopy(module)`` while a pass wraps a module whose class copies itself (its ``__deepcopy__``): the
-    class's copy, made with the pass's attributes out of the module's ``__dict__``."""
+    """``copy.deepcopy(module)`` while a pass wraps it: made with the pass's attributes out of the module's
+    ``__dict__`` (no ``__deepcopy__`` of ours in there: copy.deepcopy does as without one, by the class's own
+    ``__deepcopy__`` where the class has one by then, parametrize's copying ``__dict__`` as it is)."""
     with swapped(module.__dict__, _without_ours(module.__dict__)):
-        return type(module).__deepcopy__(module, memo)  # type: ignore[attr-defined]
+        return copy.deepcopy(module, memo)
 
 
 def _without_ours(d: dict[str, Any]) -> dict[str, Any]:
@@ -229,8 +231,7 @@ class PassForwards:
         d = module.__dict__
         d[_FORWARD] = types.MethodType(wrapper, module)  # type: ignore[arg-type]
         d[_GETSTATE] = types.MethodType(_plain_state, module)
-        if getattr(cls, _DEEPCOPY, None) is not None:
-            d[_DEEPCOPY] = types.MethodType(_plain_deepcopy, module)
+        d[_DEEPCOPY] = types.MethodType(_plain_deepcopy, module)  # (a class can change mid-pass: parametrize)
 
     def _wrapper(self, forward: types.FunctionType) -> Callable[..., Any]:
         live = self._live
