@@ -291,7 +291,8 @@ class StateGuard:
         ]
         self.originals = {id(b): b for _, names in self.buffer_names for b in names.values() if b is not None}
         # Flag, class and children per module: a forward that parametrizes a child (parametrize swaps the class and
-        # adds a ModuleDict) or removes a parametrization is undone too (its parameters are, by param_slots).
+        # adds a ModuleDict) is undone too (its parameters are, by param_slots). Not a removed parametrization:
+        # parametrize deletes the property from the class object itself.
         self.training = [(m, m.training, type(m), dict(m._modules) if m._modules else _NONE) for m in self.modules]
         self.params = params
         self.versions = {id(p): p._version for _, p in params}
@@ -396,16 +397,16 @@ class StateGuard:
                 module.training = flag
 
     def _put_structure(self) -> None:
-        changed = []
+        changed = False
         for module, _, cls, children in self.training:
             current = module._modules
             if type(module) is not cls:
                 module.__class__ = cls
-                changed.append(module)
+                changed = True
             if (current or children) and not _same_entries(current, children):
                 current.clear()
                 current.update(children)
-                changed.append(module)
+                changed = True
         if changed:
             note = (
                 "the forward changes module classes or submodules (a parametrization added or removed, a child "

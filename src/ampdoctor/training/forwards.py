@@ -104,11 +104,10 @@ class _Install:
         self.guard = __getstate__
 
         def __deepcopy__(memo: dict[int, Any]) -> Any:
-            # On the module as it would be without any install, whatever its class is by then (parametrize's
-            # deepcopy copies __dict__ as it is, past __getstate__; parametrizing a module changes its class).
-            had, own = self._beneath(_DEEPCOPY, every=True)
-            with swapped(d, self._clean(d)):  # no __deepcopy__ of ours in there: copy.deepcopy does as without one
-                return own(memo) if had else copy.deepcopy(module, memo)
+            # whatever the module's class is by then (parametrize's deepcopy copies __dict__ as it is, past
+            # __getstate__; parametrizing a module changes its class); no __deepcopy__ of ours in the clean
+            # module: copy.deepcopy does as without one
+            return self._as_without_installs(_DEEPCOPY, memo, lambda: copy.deepcopy(module, memo))
 
         setattr(__deepcopy__, _TAP_ATTRIBUTE, self)
         self.copier = __deepcopy__
@@ -118,16 +117,23 @@ class _Install:
 
             def __reduce_ex__(protocol: Any) -> Any:
                 # pickle (and a copy) of a class that reduces itself past __getstate__ (GraphModule pickles a copy
-                # of __dict__): on the module as it would be without any install
-                had, own = self._beneath(_REDUCE, every=True)
-                with swapped(d, self._clean(d)):
-                    return own(protocol) if had else type(module).__reduce_ex__(module, protocol)
+                # of __dict__)
+                reduce = type(module).__reduce_ex__
+                return self._as_without_installs(_REDUCE, protocol, lambda: reduce(module, protocol))
 
             setattr(__reduce_ex__, _TAP_ATTRIBUTE, self)
             self.reducer = __reduce_ex__
             d[_REDUCE] = __reduce_ex__
         d[_GETSTATE] = __getstate__
         d[_DEEPCOPY] = __deepcopy__
+
+    def _as_without_installs(self, name: str, arg: Any, default: Callable[[], Any]) -> Any:
+        """The module's own ``name`` (what it had beneath every install) called with ``arg``, else ``default()``,
+        on the module as it would be without any install (its ``__dict__`` swapped clean meanwhile)."""
+        had, own = self._beneath(name, every=True)
+        d = self.module.__dict__
+        with swapped(d, self._clean(d)):
+            return own(arg) if had else default()
 
     def _ours(self, name: str) -> Optional[Callable[..., Any]]:
         if name == _FORWARD:
@@ -233,8 +239,7 @@ class _Forward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         output = self.inner(*args, **kwargs)
-        if not getattr(self, _TAP_ATTRIBUTE).dead:
-            self.measure(output)
+        self.measure(output)  # nothing once the tap is removed (ForwardTap.remove)
         return output
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
