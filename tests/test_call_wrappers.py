@@ -131,7 +131,7 @@ def test_a_copy_made_during_the_pass_carries_no_wrapper() -> None:
 
 def test_a_forward_set_over_ours_during_the_pass_stays() -> None:
     model = nn.Sequential(nn.Linear(4, 4))
-    forwards = PassForwards(lambda *a: None, lambda *a: None)
+    forwards = PassForwards(lambda *a: None, lambda *a: None, lambda *a: None)
     forwards.wrap(model[0])
 
     def theirs(x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ def test_models_where_wrappers_do_not_fit_get_hooks_everywhere() -> None:
         assert not wrappers_fit(plain)
     finally:
         handle.remove()
-    forwards = PassForwards(lambda *a: None, lambda *a: None)
+    forwards = PassForwards(lambda *a: None, lambda *a: None, lambda *a: None)
     assert not forwards.fits(torch.jit.script(nn.Linear(2, 2)))
     with_forward = nn.Linear(2, 2)
     with_forward.forward = lambda x: x  # type: ignore[method-assign]  # an instance forward of the user's: kept

@@ -78,7 +78,8 @@ def _check_wrappers() -> bool:
     seen: list[str] = []
     module = nn.Identity()
     forwards = PassForwards(lambda m, args, kwargs: seen.append("pre"),
-                            lambda m, args, kwargs, out: seen.append(f"post{out is args[0]}"))
+                            lambda m, args, kwargs, out: seen.append(f"post{out is args[0]}"),
+                            lambda m, args, kwargs: seen.append("raised"))
     try:
         forwards.wrap(module)
         x = torch.zeros(1)
@@ -194,10 +195,11 @@ def _live_of(func: Any) -> Optional[list[Hook]]:
 
 class PassForwards:
     """The instance ``forward`` wrappers of one pass: ``pre(module, args, kwargs)`` before the module's ``forward``,
-    ``post(module, args, kwargs, output)`` after it returned (not when it raised: as forward hooks)."""
+    ``post(module, args, kwargs, output)`` after it returned, ``raised(module, args, kwargs)`` when it raised (a
+    call the model's own code may catch: a fallback), as forward hooks with ``always_call`` would."""
 
-    def __init__(self, pre: Hook, post: Hook) -> None:
-        self._live: list[Hook] = [pre, post]  # emptied by remove(): every wrapper of the pass is spent then
+    def __init__(self, pre: Hook, post: Hook, raised: Hook) -> None:
+        self._live: list[Hook] = [pre, post, raised]  # emptied by remove(): every wrapper of the pass is spent then
         self.modules: list[nn.Module] = []
         # Per class: its wrapper, or None where a wrapper does not fit the class (fits() asks once per class).
         self._by_class: dict[type, Optional[Callable[..., Any]]] = {}
@@ -239,9 +241,13 @@ class PassForwards:
         def forward_seen_by_the_pass(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if not live:
                 return _spent(module, forward, live, args, kwargs)
-            pre, post = live
+            pre, post, raised = live
             pre(module, args, kwargs)
-            output = forward(module, *args, **kwargs)
+            try:
+                output = forward(module, *args, **kwargs)
+            except BaseException:
+                raised(module, args, kwargs)
+                raise
             post(module, args, kwargs, output)
             return output
 
@@ -282,4 +288,4 @@ def _spent(
 
 
 # The code of every pass's wrapper (what tells a wrapper from a callable that copied its attributes).
-_WRAPPER_CODE = PassForwards(_spent, _spent)._wrapper(_spent).__code__  # type: ignore[arg-type]  # (read only)
+_WRAPPER_CODE = PassForwards(_spent, _spent, _spent)._wrapper(_spent).__code__  # type: ignore[arg-type]  # (read only)

@@ -118,6 +118,9 @@ class Recorder:
         self.grads: list[GradSeen] = []
         self.error: Optional[BaseException] = None
         self.last_module: Optional[str] = None
+        # The innermost call that a raise ended (the module the model's forward raised from, for its message).
+        self.raised_inside: Optional[str] = None
+        self._unwound: Optional[int] = None
         self._ends = itertools.count()
         self._grad_order = itertools.count()
         self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
@@ -148,7 +151,7 @@ class Recorder:
         dicts = hook_dicts_work()
         # Where a wrapper sees what the hooks would, an instance forward instead (torch keeps its hook-free call
         # path: most of the pass's cost per module on a model of many small ones; see call_wrappers).
-        wrappers = self._wrappers = PassForwards(pre, post) if wrappers_fit(self.modules) else None
+        wrappers = self._wrappers = PassForwards(pre, post, self._raised) if wrappers_fit(self.modules) else None
         for module in self.modules:
             own_registration = type(module).register_forward_pre_hook is not _REGISTER_PRE or type(
                 module
@@ -158,7 +161,7 @@ class Recorder:
                 continue
             if not dicts or own_registration:
                 self._module_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                self._module_handles.append(module.register_forward_hook(post, with_kwargs=True))
+                self._module_handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
                 continue
             hooked.append(module)  # first: an interrupted install is still undone by drop_forward_hooks
             set_forward_hooks(module, ids, pre, post)
@@ -283,6 +286,12 @@ class Recorder:
         finally:
             _internal.depth = depth
 
+    def _raised(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A forward that raised, which the model's own code may catch (``try: fast(x) except: slow(x)``): the
+        call ends there without outputs, as an ``always_call`` hook sees it (output None). Left open, it would
+        be the parent of the calls after it, the module of the ops after it, and take its parent's outputs."""
+        self._post(module, args, kwargs, None)
+
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.reference is not None and self.reference.busy:
             return  # a float32 re-run of ours: no call of the AMP forward
@@ -374,8 +383,18 @@ class Recorder:
                 if requires_grad and self.record_grads and t.is_floating_point():
                     self._grad_hook(t, "output", index, path)
             call.end_order = next(self._ends)
+            if output is None:  # raised (or returned nothing)
+                self._note_unwound(index)
         except Exception as exc:
             self.error = self.error or exc
+
+    def _note_unwound(self, index: int) -> None:
+        """A call ended without output: where a raise passes through its callers, the first of them is where it
+        came from (each next one the parent of the one before, ending right after it)."""
+        calls, last = self.calls, self._unwound
+        if last is None or calls[last].parent != index or calls[last].end_order != calls[index].end_order - 1:
+            self.raised_inside = calls[index].module
+        self._unwound = index
 
     def _producer(self, t: torch.Tensor) -> tuple[Optional[int], str]:
         """The earlier call that returned this very tensor, and where in its output it sat."""

@@ -248,10 +248,9 @@ class _Step:
                 output = call_model(spec.root, spec.batch)
             except Exception as exc:
                 where = f" (last module that ran: '{recorder.last_module or '<root>'}'"
-                if recorder.stack:
-                    inner = recorder.calls[recorder.stack[-1]].module
-                    if inner != recorder.last_module:
-                        where += f", inside '{inner or '<root>'}'"
+                inner = recorder.raised_inside
+                if inner is not None and inner != recorder.last_module:
+                    where += f", inside '{inner or '<root>'}'"
                 where += ")"
                 raise ModelRaised(
                     f"the model's forward raised {type(exc).__name__}: {exc}{where}", "forward", recorder.last_module

@@ -60,12 +60,14 @@ def set_forward_hooks(
     module: nn.Module, ids: tuple[int, int], pre: Callable[..., Any], post: Callable[..., Any]
 ) -> None:
     """What ``register_forward_pre_hook(pre, with_kwargs=True)`` and ``register_forward_hook(post,
-    with_kwargs=True)`` do, under ``ids``, without a handle object per module; :func:`drop_forward_hooks` undoes it."""
+    with_kwargs=True, always_call=True)`` do, under ``ids``, without a handle object per module;
+    :func:`drop_forward_hooks` undoes it."""
     pre_id, post_id = ids
     module._forward_pre_hooks[pre_id] = pre
     module._forward_pre_hooks_with_kwargs[pre_id] = True
     module._forward_hooks[post_id] = post
     module._forward_hooks_with_kwargs[post_id] = True
+    module._forward_hooks_always_called[post_id] = True
 
 
 def drop_forward_hooks(module: nn.Module, ids: tuple[int, int]) -> None:
@@ -75,6 +77,7 @@ def drop_forward_hooks(module: nn.Module, ids: tuple[int, int]) -> None:
     module._forward_pre_hooks_with_kwargs.pop(pre_id, None)
     module._forward_hooks.pop(post_id, None)
     module._forward_hooks_with_kwargs.pop(post_id, None)
+    module._forward_hooks_always_called.pop(post_id, None)
 
 
 def hang_tensor_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Optional[tuple[Any, int]]:
