@@ -266,9 +266,13 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
     # A returned tensor that the model also used inside (an intermediate, a KV cache) gets gradient from inside:
     # its root-output gradient is not "the gradient of the loss reaching the model".
     consumed = {r.ref for c in trace.calls for r in c.inputs if r.ref >= 0}
+    consumed_by_ops = set(trace.used_inside)  # by the forward's own ops, not a module call (walk.used_inside)
+    inside = {(root.index, r.path) for root in roots for r in root.outputs
+              if r.ref in consumed or (root.index, r.path) in consumed_by_ops}
+    # What reaches each call from outside it (a root's: the loss's gradient, not what it returned and used)
+    incoming = {i: [e for e in es if (i, e.path) not in inside] for i, es in out_events.items()}
     for root in roots:
-        used_inside = {r.path for r in root.outputs if r.ref in consumed}
-        bad = [e for e in out_events.get(root.index, []) if _bad(e.stats) and e.path not in used_inside]
+        bad = [e for e in incoming.get(root.index, []) if _bad(e.stats)]
         if bad:  # the very first gradient reaching the model is already non-finite
             return Origin(
                 "backward", LOSS, 0, "loss", bad[0].path, bad[0].stats, None, trace.backward_op_finding,
@@ -279,11 +283,12 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
     children = _children(trace.calls)
     first_bad: dict[int, GradEvent] = {}
     for c in trace.calls:
-        outs = out_events.get(c.index, [])
+        outs = incoming.get(c.index, [])
         if not outs or any(_bad(e.stats) for e in outs):
             continue
         produced = [e for e in in_events.get(c.index, []) if (c.index, e.path) in attributable]
         produced += params.get(c.index, [])
+        produced += [e for e in out_events.get(c.index, []) if (c.index, e.path) in inside]  # made inside it
         for d in children.get(c.index, []):
             produced += out_events.get(d.index, [])
         bad = [e for e in produced if _bad(e.stats)]
@@ -295,10 +300,10 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
         # whose own input gradient it is. The deeper call made it.
         index = min(leaves, key=lambda i: (first_bad[i].order, -_depth(i, by_index)))
         c, e = by_index[index], first_bad[index]
-        incoming = max((x.stats.abs_max or 0.0 for x in out_events[index]), default=None)
+        largest = max((x.stats.abs_max or 0.0 for x in incoming[index]), default=None)
         where = f"grad:{e.param}" if e.kind == "param" else f"grad:{e.path}"
         return Origin(
-            "backward", c.module, c.call, c.class_name, where, e.stats, incoming, trace.backward_op_finding,
+            "backward", c.module, c.call, c.class_name, where, e.stats, largest, trace.backward_op_finding,
             event_order=e.order,
         )
     first = next(e for e in events if _bad(e.stats))

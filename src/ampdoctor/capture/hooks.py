@@ -32,7 +32,7 @@ from .tensor_hooks import (
     set_forward_hooks,
 )
 from .walk import in_transform as _in_transform
-from .walk import iter_tensors
+from .walk import iter_tensors, used_inside
 from .zoom import OpZoom
 
 
@@ -120,6 +120,7 @@ class Recorder:
         self.last_module: Optional[str] = None
         # The innermost call that a raise ended (the module the model's forward raised from, for its message).
         self.raised_inside: Optional[str] = None
+        self.used_inside: list[tuple[int, str]] = []  # (root call, output path): see walk.used_inside
         self._unwound: Optional[int] = None
         self._ends = itertools.count()
         self._grad_order = itertools.count()
@@ -385,6 +386,8 @@ class Recorder:
             call.end_order = next(self._ends)
             if output is None:  # raised (or returned nothing)
                 self._note_unwound(index)
+            elif call.parent is None and self.record_grads and type(output) is not torch.Tensor:
+                self.used_inside += [(index, p) for p in used_inside(list(iter_tensors(output, "out")))]
         except Exception as exc:
             self.error = self.error or exc
 

@@ -62,6 +62,7 @@ def build_trace(
         loss=stats[loss_slot],
         backward_ran=backward_ran,
         uncaptured=tuple(dict.fromkeys(recorder.uncaptured)),
+        used_inside=tuple(recorder.used_inside),
     )
 
 

@@ -238,6 +238,9 @@ class PassTrace:
     uncaptured: tuple[str, ...] = ()  # calls re-run by checkpointing whose gradient could not be captured
     op_overflows: tuple[OpOverflow, ...] = ()  # forward ops that made inf/NaN from finite inputs (capture.hidden)
     op_peaks: tuple[OpPeak, ...] = ()  # calls whose own ops peaked above their low-precision outputs
+    # (root call, output path) of returned tensors the forward's own ops also consumed (a KV cache): their
+    # gradients are partly the model's own, not only the loss's
+    used_inside: tuple[tuple[int, str], ...] = ()
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
