@@ -77,3 +77,46 @@ def test_hf_causal_lm_with_its_kv_cache_names_the_same_origin_as_without() -> No
         assert report.backward_origin is not None
         origins.append((report.backward_origin.module, report.backward_origin.tensor))
     assert origins == [("lm_head", "grad:lm_head.weight")] * 2  # with the cache, before: ("<loss>", "out['cache']...")
+
+
+class TiedLM(nn.Module):
+    """Tied input embedding and output head (one weight); ``h`` is scaled up, so the head's weight gradient
+    (``grad_logits^T h``) overflows float16 while the embedding's own part (a sum of ``grad_h`` rows) is small."""
+
+    def __init__(self, vocab: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, W)
+        self.head = nn.Linear(W, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids) * 3000.0)
+
+
+def test_a_tied_weight_is_blamed_on_the_module_whose_backward_made_it_non_finite() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(0))
+    report = ampdoctor.diagnose(model, ids, loss_fn=lambda out, ids: out.float().logsumexp(-1).mean(),
+                                device_type="cpu", progress=False, dtype=torch.float16)
+    origin = report.backward_origin
+    assert origin is not None and origin.tensor == "grad:emb.weight"  # one gradient, two users
+    assert origin.module == "head"  # before: "emb", the first module holding the weight
+    assert origin.op is not None and origin.op.module == "head" and origin.op.node == "MmBackward0"
+
+
+def test_hf_tied_embeddings_blame_the_head_as_untied_ones_do() -> None:
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+    found = []
+    for tie in (True, False):
+        torch.manual_seed(0)
+        config = transformers.BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=4, tie_word_embeddings=tie)
+        model = transformers.BloomForCausalLM(config)
+        with torch.no_grad():
+            model.transformer.ln_f.weight.mul_(30)
+        report = ampdoctor.diagnose(model, batch, dtype=torch.float16, progress=False)
+        assert report.backward_origin is not None
+        found.append(report.backward_origin.module)
+    assert found == ["lm_head", "lm_head"]  # tied, before: "transformer.word_embeddings"

@@ -192,11 +192,26 @@ def param_owners(modules: Iterable[ModuleInfo]) -> dict[str, str]:
     return owners
 
 
-def _attribute_params(trace: PassTrace, owners: Mapping[str, str]) -> dict[int, list[GradEvent]]:
-    """Give each parameter-gradient event to the call of its owner whose output gradient arrived last before it."""
+def _all_owners(modules: Iterable[ModuleInfo]) -> dict[str, list[str]]:
+    owners: dict[str, list[str]] = defaultdict(list)
+    for info in modules:
+        for p in info.params:
+            owners[p.name].append(info.name)
+    return owners
+
+
+def _attribute_params(trace: PassTrace, modules: Iterable[ModuleInfo]) -> dict[int, list[GradEvent]]:
+    """Give each parameter-gradient event to the call of its owner whose output gradient arrived last before it.
+    A parameter shared by several modules (tied embeddings: the input embedding and the output head) has one
+    gradient, their contributions summed: where the backward op zoom found the op that made it non-finite in one
+    of those modules' calls, that module made it."""
     calls_of: dict[str, list[int]] = defaultdict(list)
     for c in trace.calls:
         calls_of[c.module].append(c.index)
+    zoomed = trace.backward_op_finding.module if trace.backward_op_finding is not None else None
+    owners: dict[str, str] = {}
+    for name, held_by in _all_owners(modules).items():
+        owners[name] = zoomed if zoomed in held_by[1:] else held_by[0]  # type: ignore[assignment]
     last_out: dict[int, int] = {}
     for e in trace.grad_events:
         if e.kind == "output" and e.call is not None:
@@ -278,7 +293,7 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
                 "backward", LOSS, 0, "loss", bad[0].path, bad[0].stats, None, trace.backward_op_finding,
                 event_order=bad[0].order,
             )
-    params = _attribute_params(trace, param_owners(modules))
+    params = _attribute_params(trace, modules)
     attributable = _attributable_inputs(trace)
     children = _children(trace.calls)
     first_bad: dict[int, GradEvent] = {}

@@ -20,6 +20,7 @@ from ..records import GradKind
 from .call_wrappers import PassForwards, wrappers_fit
 from .cleanup import uninterrupted
 from .internal import _internal
+from .node_calls import NodeCalls
 from .reference import FloatReference
 from .state import RngState
 from .stats import StatsCollector
@@ -118,9 +119,9 @@ class Recorder:
         self.grads: list[GradSeen] = []
         self.error: Optional[BaseException] = None
         self.last_module: Optional[str] = None
-        # The innermost call that a raise ended (the module the model's forward raised from, for its message).
-        self.raised_inside: Optional[str] = None
+        self.raised_inside: Optional[str] = None  # the innermost call a raise ended (for ModelRaised's message)
         self.used_inside: list[tuple[int, str]] = []  # (root call, output path): see walk.used_inside
+        self.node_calls: Optional[NodeCalls] = None  # set where a backward op zoom names calls (node_calls)
         self._unwound: Optional[int] = None
         self._ends = itertools.count()
         self._grad_order = itertools.count()
@@ -288,9 +289,9 @@ class Recorder:
             _internal.depth = depth
 
     def _raised(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """A forward that raised, which the model's own code may catch (``try: fast(x) except: slow(x)``): the
-        call ends there without outputs, as an ``always_call`` hook sees it (output None). Left open, it would
-        be the parent of the calls after it, the module of the ops after it, and take its parent's outputs."""
+        """A forward that raised, which the model's own code may catch (``try: fast(x) except: slow(x)``): the call
+        ends there without outputs, as an ``always_call`` hook sees it (output None); left open, it would take
+        what follows (the parent of the calls after it, the module of the ops after it, its parent's outputs)."""
         self._post(module, args, kwargs, None)
 
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -336,6 +337,8 @@ class Recorder:
                 _OpenCall(index, name, number, type(module).__name__, parent, inputs, torch.is_grad_enabled())
             )
             self.stack.append(index)
+            if self.node_calls is not None:
+                self.node_calls.enter(index)
             if self.reference is not None and self.reference.wants(module, name):
                 self.reference.pending[index] = (args, kwargs, RngState.capture())
             self.last_module = name
@@ -364,12 +367,13 @@ class Recorder:
             if not self.stack:
                 return
             index = self.stack.pop()
+            call = self.calls[index]
+            if self.node_calls is not None:
+                self.node_calls.exit(index, call.module, call.call)
             if self.reference is not None and index in self.reference.pending:
-                call = self.calls[index]
                 self.reference.compare(module, call.module, call.call, self.reference.pending.pop(index), output)
             if self._zoom_call == index:
                 self.close_zoom(output)
-            call = self.calls[index]
             pairs = (("out", output),) if type(output) is torch.Tensor else iter_tensors(output, "out")
             add = self.collector.add
             producers = self._producers
@@ -392,8 +396,8 @@ class Recorder:
             self.error = self.error or exc
 
     def _note_unwound(self, index: int) -> None:
-        """A call ended without output: where a raise passes through its callers, the first of them is where it
-        came from (each next one the parent of the one before, ending right after it)."""
+        """A call ended without output: of the calls a raise passes through (each the parent of the one before,
+        ending right after it), the first is where it came from."""
         calls, last = self.calls, self._unwound
         if last is None or calls[last].parent != index or calls[last].end_order != calls[index].end_order - 1:
             self.raised_inside = calls[index].module

@@ -195,7 +195,7 @@ class _Step:
         self.hidden = HiddenWatch(self.recorder, options.hidden) if options.autocast else None
         if self.hidden is not None:
             self.recorder.paused = self.hidden.paused
-        self.back_zoom = BackwardZoom() if options.backward_zoom else None
+        self.back_zoom = BackwardZoom(self.recorder) if options.backward_zoom else None
         self.contexts = contextlib.ExitStack()  # installed for the whole pass (closed by close())
         self.region = contextlib.ExitStack()  # the forward's autocast and copy-on-write region
         self._undo: Optional[Callable[[], None]] = None

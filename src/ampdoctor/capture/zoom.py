@@ -22,6 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..records import Direction, OpFinding, SourceLocation
 from .cleanup import uninterrupted, uninterrupted_enter
 from .dtypes import dtype_name
+from .node_calls import NodeCalls
+from .node_calls import available as node_calls_available
 from .stats import measuring
 from .walk import iter_tensors
 from .zoom_flow import DataFlow, Flags, Op, Written
@@ -277,8 +279,19 @@ class BackwardZoom(_Zoom):
     direction: Direction = "backward"
     outputs_outlive_call = False
 
-    def __init__(self) -> None:
+    def __init__(self, recorder: Any = None) -> None:
         super().__init__("", 0)
+        # The pass's recorder numbers the nodes each call makes (node_calls): a finding names the call that made
+        # its node; without one, or without torch's node numbers, no call is named (module "").
+        self._calls = NodeCalls() if recorder is not None and node_calls_available() else None
+        if self._calls is not None:
+            recorder.node_calls = self._calls
+
+    def _describe(self, func: Any, op: Op, written: Written) -> OpFinding:
+        finding = super()._describe(func, op, written)
+        node = torch._C._current_autograd_node()
+        made_by = self._calls.locate(node._sequence_nr()) if self._calls is not None and node is not None else None
+        return dataclasses.replace(finding, module=made_by[0], call=made_by[1]) if made_by else finding
 
     def _creates(self, inputs: list[Flags], outputs: list[Flags]) -> bool:
         input_nan = any(f[0] for f in inputs)
