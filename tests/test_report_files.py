@@ -88,6 +88,11 @@ def test_source_paths_are_relative_unless_asked(report: Report, tmp_path: Path) 
     assert str(tmp_path / "usermodel.py") in report.to_json(absolute_paths=True)
     assert str(tmp_path / "usermodel.py") in report.to_html(absolute_paths=True)
     assert str(tmp_path / "usermodel.py") in report.save(tmp_path / "abs.json", absolute_paths=True).read_text()
+    # the round trips the README states: exact with absolute paths; else the same report with its paths as shown
+    from ampdoctor.report.paths import with_shown_paths
+
+    assert Report.from_json(report.to_json(absolute_paths=True)) == report
+    assert Report.from_json(report.to_json()) == with_shown_paths(report) != report
     # library code: from its package root; elsewhere outside the working directory: as it was
     lib = "/opt/py/lib/python3.11/site-packages/transformers/models/gpt2/modeling_gpt2.py"
     assert shown_path(lib, cwd="/home/me/run") == "transformers/models/gpt2/modeling_gpt2.py"
