@@ -124,3 +124,20 @@ def test_the_message_names_the_module_a_raise_came_from_after_a_caught_one() -> 
         ampdoctor.diagnose(model, torch.randn(8, W), device_type="cpu", progress=False, dtype=torch.float16)
     assert "(last module that ran: '1.inner', inside '1')" in str(caught.value)
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+class OldStyleRegistration(NoKernel):
+    """Its own ``register_forward_hook`` with torch 2.0's keywords (no ``always_call``): still diagnosed, without
+    seeing where its forward raised (its post-hook is not called then)."""
+
+    def register_forward_hook(self, hook: Any, *, prepend: bool = False, with_kwargs: bool = False) -> Any:
+        return super().register_forward_hook(hook, prepend=prepend, with_kwargs=with_kwargs)
+
+
+def test_a_class_registration_without_always_call_still_gets_its_hooks() -> None:
+    torch.manual_seed(0)
+    model = Model(OldStyleRegistration())
+    report = ampdoctor.diagnose(model, torch.randn(8, W) * 10, device_type="cpu", progress=False,
+                                dtype=torch.float16)
+    assert report.forward_origin is not None and report.forward_origin.module in ("block", "block.fast")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -29,6 +29,7 @@ from .tensor_hooks import (
     hang_tensor_hook,
     hook_dicts_work,
     register_grad_hook,
+    register_post_hook,
     reserve_forward_ids,
     set_forward_hooks,
 )
@@ -163,7 +164,7 @@ class Recorder:
                 continue
             if not dicts or own_registration:
                 self._module_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                self._module_handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+                self._module_handles.append(register_post_hook(module, post))
                 continue
             hooked.append(module)  # first: an interrupted install is still undone by drop_forward_hooks
             set_forward_hooks(module, ids, pre, post)
@@ -289,9 +290,8 @@ class Recorder:
             _internal.depth = depth
 
     def _raised(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """A forward that raised, which the model's own code may catch (``try: fast(x) except: slow(x)``): the call
-        ends there without outputs, as an ``always_call`` hook sees it (output None); left open, it would take
-        what follows (the parent of the calls after it, the module of the ops after it, its parent's outputs)."""
+        """A forward that raised, which the model's code may catch (a fallback): its call ends there, without outputs
+        (as ``always_call`` hooks see it); left open, it took the calls and ops after it and its parent's outputs."""
         self._post(module, args, kwargs, None)
 
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:

@@ -70,6 +70,15 @@ def set_forward_hooks(
     module._forward_hooks_always_called[post_id] = True
 
 
+def register_post_hook(module: nn.Module, post: Callable[..., Any]) -> Any:
+    """``module.register_forward_hook(post, with_kwargs=True, always_call=True)`` (called when the forward raises
+    too); a class's own registration that takes no ``always_call`` gets the hook without it."""
+    try:
+        return module.register_forward_hook(post, with_kwargs=True, always_call=True)
+    except TypeError:  # (raised binding the arguments: nothing registered)
+        return module.register_forward_hook(post, with_kwargs=True)
+
+
 def drop_forward_hooks(module: nn.Module, ids: tuple[int, int]) -> None:
     """Take out what :func:`set_forward_hooks` put in (idempotent)."""
     pre_id, post_id = ids
