@@ -49,15 +49,63 @@ def test_a_returned_tensor_used_inside_does_not_make_the_loss_the_backward_origi
     assert report.trace.used_inside == ((root.index, "out['cache']"),)
 
 
-def test_a_model_returning_one_tensor_walks_no_graph() -> None:
-    from ampdoctor.capture.walk import used_inside
+class ViewOutputs(nn.Module):
+    """Two outputs with gradient, one of them a view (of the other, or of a tensor nothing else reads): a view that
+    returns values is no reader of them."""
 
-    x = torch.randn(2, W, requires_grad=True)
-    y = x * 2
-    assert used_inside([("out", y)]) == []
-    z = y.sum()
-    assert used_inside([("out[0]", y), ("out[1]", z)]) == ["out[0]"]  # z consumed y
-    assert used_inside([("out[0]", y), ("out[1]", x * 3)]) == []
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+        self.aux = nn.Linear(W, W)
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.lin(x)
+        if self.mode == "view":
+            return {"logits": h.t(), "other": self.aux(x)}
+        if self.mode == "chunk":
+            a, b = h.chunk(2, dim=-1)
+            return {"logits": a, "other": b}
+        return {"logits": h, "last": h[:, -1]}
+
+
+@pytest.mark.parametrize("mode", ["view", "chunk", "base-and-view"])
+def test_returned_views_are_not_used_inside_and_the_loss_stays_the_origin(mode: str) -> None:
+    torch.manual_seed(0)
+    report = ampdoctor.diagnose(ViewOutputs(mode), torch.randn(8, W), device_type="cpu", progress=False,
+                                loss_fn=lambda out, x: (out["logits"].float() * 1e6).sum(), dtype=torch.float16)
+    origin = report.backward_origin
+    assert origin is not None and (origin.module, origin.tensor) == ("<loss>", "out['logits']")
+    assert report.trace.used_inside == ()
+
+
+class AuxOnHidden(nn.Module):
+    """Returns hidden states that its own matmul read too; the loss's auxiliary term on them overflows float16 in
+    the loss's own backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+        self.w = nn.Parameter(torch.randn(W, 3) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.lin(x)
+        return {"logits": h @ self.w, "hidden": h}
+
+
+def test_a_gradient_the_loss_made_on_an_output_used_inside_names_the_loss() -> None:
+    torch.manual_seed(0)
+
+    def loss(out: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return out["logits"].float().logsumexp(-1).mean() + (out["hidden"].float() * 1e6).sum()
+
+    report = ampdoctor.diagnose(AuxOnHidden(), torch.randn(8, W), loss_fn=loss, device_type="cpu", progress=False,
+                                dtype=torch.float16)
+    origin = report.backward_origin
+    assert origin is not None and (origin.module, origin.tensor) == ("<loss>", "out['hidden']")
+    assert origin.op is not None and origin.op.module == "<loss>"  # the zoomed node was made by the loss
+    (root,) = [c for c in report.trace.calls if c.parent is None]
+    assert report.trace.used_inside == ((root.index, "out['hidden']"),)
 
 
 def test_hf_causal_lm_with_its_kv_cache_names_the_same_origin_as_without() -> None:
@@ -103,6 +151,36 @@ def test_a_tied_weight_is_blamed_on_the_module_whose_backward_made_it_non_finite
     assert origin is not None and origin.tensor == "grad:emb.weight"  # one gradient, two users
     assert origin.module == "head"  # before: "emb", the first module holding the weight
     assert origin.op is not None and origin.op.module == "head" and origin.op.node == "MmBackward0"
+
+
+class MatmulChild(nn.Module):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight)
+
+
+class HeadWithKernel(nn.Module):
+    """Holds the tied weight; its matmul runs in a child (a kernel wrapper) that holds nothing."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, W))
+        self.mm = MatmulChild()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mm(h, self.weight)
+
+
+def test_a_tied_weight_whose_holder_runs_the_matmul_in_a_child_is_blamed_on_the_holder() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.head = HeadWithKernel(16)
+    model.head.weight = model.emb.weight
+    ids = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(0))
+    report = ampdoctor.diagnose(model, ids, loss_fn=lambda out, ids: out.float().logsumexp(-1).mean(),
+                                device_type="cpu", progress=False, dtype=torch.float16)
+    origin = report.backward_origin
+    assert origin is not None and origin.op is not None and origin.op.module == "head.mm"
+    assert origin.module == "head"  # the holder the zoomed call sits in; not "emb"
 
 
 def test_hf_tied_embeddings_blame_the_head_as_untied_ones_do() -> None:

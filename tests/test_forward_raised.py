@@ -141,3 +141,29 @@ def test_a_class_registration_without_always_call_still_gets_its_hooks() -> None
                                 dtype=torch.float16)
     assert report.forward_origin is not None and report.forward_origin.module in ("block", "block.fast")
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class LeafNoKernel(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no fused kernel")
+
+
+def test_float32_references_survive_a_caught_raise() -> None:
+    """``reference=True`` re-runs each call in float32 at its end: not a call that raised (its re-run raises again,
+    which lost every comparison of the pass)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Healthy(LeafNoKernel()), nn.Linear(W, 2))
+    report = ampdoctor.diagnose(model, torch.randn(8, W), device_type="cpu", progress=False, dtype=torch.float16,
+                                reference=True)
+    assert str(report.verdict) == "healthy"
+    assert {c.module for c in report.trace.comparisons} == {"0.slow", "1"}
+
+
+class Healthy(Fallback):
+    """The fallback without its overflowing scale."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.fast(x)  # type: ignore[no-any-return]
+        except RuntimeError:
+            return self.slow(x)  # type: ignore[no-any-return]

@@ -229,9 +229,9 @@ def test_the_watch_frees_its_forward_only_tables_before_the_backward(monkeypatch
     watches: list[hidden.HiddenWatch] = []
     queue = hidden.HiddenWatch.queue
 
-    def queued(self: hidden.HiddenWatch, collector: object) -> None:
+    def queued(self: hidden.HiddenWatch, collector: object, output: object = None) -> None:
         assert self._where and self._occurrences  # filled by the forward
-        queue(self, collector)
+        queue(self, collector, output)
         watches.append(self)
 
     monkeypatch.setattr(hidden.HiddenWatch, "queue", queued)

@@ -209,9 +209,12 @@ def _attribute_params(trace: PassTrace, modules: Iterable[ModuleInfo]) -> dict[i
     for c in trace.calls:
         calls_of[c.module].append(c.index)
     zoomed = trace.backward_op_finding.module if trace.backward_op_finding is not None else None
+    zoomed = None if zoomed == LOSS else zoomed
     owners: dict[str, str] = {}
     for name, held_by in _all_owners(modules).items():
-        owners[name] = zoomed if zoomed in held_by[1:] else held_by[0]  # type: ignore[assignment]
+        # the holder the zoomed call is, or sits in (a holder whose child does its matmul), the innermost
+        within = [h for h in held_by if zoomed is not None and (zoomed == h or zoomed.startswith(h + ".") or not h)]
+        owners[name] = max(within, key=len) if len(held_by) > 1 and within else held_by[0]
     last_out: dict[int, int] = {}
     for e in trace.grad_events:
         if e.kind == "output" and e.call is not None:
@@ -281,13 +284,18 @@ def backward_origin(trace: PassTrace, modules: Iterable[ModuleInfo]) -> Optional
     # A returned tensor that the model also used inside (an intermediate, a KV cache) gets gradient from inside:
     # its root-output gradient is not "the gradient of the loss reaching the model".
     consumed = {r.ref for c in trace.calls for r in c.inputs if r.ref >= 0}
-    consumed_by_ops = set(trace.used_inside)  # by the forward's own ops, not a module call (walk.used_inside)
+    consumed_by_ops = set(trace.used_inside)  # by the forward's own ops, not a module call (outputs_inside)
     inside = {(root.index, r.path) for root in roots for r in root.outputs
               if r.ref in consumed or (root.index, r.path) in consumed_by_ops}
     # What reaches each call from outside it (a root's: the loss's gradient, not what it returned and used)
     incoming = {i: [e for e in es if (i, e.path) not in inside] for i, es in out_events.items()}
+    finding = trace.backward_op_finding
+    made_by = finding.module if finding is not None else ""  # the call that made the zoomed op's node, if known
     for root in roots:
-        bad = [e for e in incoming.get(root.index, []) if _bad(e.stats)]
+        # The loss's own backward made it (the op zoom says so), whichever returned tensor it reached; else, where
+        # the zoom placed it in no call, what reached the model from outside already non-finite.
+        reached = out_events.get(root.index, []) if made_by == LOSS else incoming.get(root.index, [])
+        bad = [e for e in reached if _bad(e.stats)] if made_by in ("", LOSS) else []
         if bad:  # the very first gradient reaching the model is already non-finite
             return Origin(
                 "backward", LOSS, 0, "loss", bad[0].path, bad[0].stats, None, trace.backward_op_finding,

@@ -57,6 +57,7 @@ from .hidden_ops import (
     resolved,
 )
 from .internal import INTERNAL, _internal
+from .outputs_inside import outputs_used_inside
 from .state import written_tensor
 from .stats import format_limits
 from .walk import transformed as _transformed
@@ -370,9 +371,12 @@ class HiddenWatch(TorchFunctionMode):
         node.location = innermost_user_line()
 
     # -- the readback ---------------------------------------------------------------------------------------
-    def queue(self, collector: Any) -> None:
+    def queue(self, collector: Any, output: Any = None) -> None:
         """Hand the queued values to ``collector`` (a StatsCollector) for the pass's single readback: one stacked
-        vector per (device, dtype), so reading them back converts a few tensors, not one per op."""
+        vector per (device, dtype), so reading them back converts a few tensors, not one per op. First, which of
+        the forward's ``output`` the model read itself (the recorder's ``used_inside``: outputs_inside)."""
+        if output is not None:
+            self.recorder.used_inside = outputs_used_inside(self, output)
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         flat: list[Any] = []
         self._from_slots = []

@@ -34,7 +34,7 @@ from .tensor_hooks import (
     set_forward_hooks,
 )
 from .walk import in_transform as _in_transform
-from .walk import iter_tensors, used_inside
+from .walk import iter_tensors
 from .zoom import OpZoom
 
 
@@ -121,7 +121,7 @@ class Recorder:
         self.error: Optional[BaseException] = None
         self.last_module: Optional[str] = None
         self.raised_inside: Optional[str] = None  # the innermost call a raise ended (for ModelRaised's message)
-        self.used_inside: list[tuple[int, str]] = []  # (root call, output path): see walk.used_inside
+        self.used_inside: list[tuple[int, str]] = []  # (root call, output path): see outputs_inside
         self.node_calls: Optional[NodeCalls] = None  # set where a backward op zoom names calls (node_calls)
         self._unwound: Optional[int] = None
         self._ends = itertools.count()
@@ -370,8 +370,9 @@ class Recorder:
             call = self.calls[index]
             if self.node_calls is not None:
                 self.node_calls.exit(index, call.module, call.call)
-            if self.reference is not None and index in self.reference.pending:
-                self.reference.compare(module, call.module, call.call, self.reference.pending.pop(index), output)
+            pending = self.reference.pending.pop(index, None) if self.reference is not None else None
+            if pending is not None and output is not None:  # (None: it raised; its re-run would raise again)
+                self.reference.compare(module, call.module, call.call, pending, output)  # type: ignore[union-attr]
             if self._zoom_call == index:
                 self.close_zoom(output)
             pairs = (("out", output),) if type(output) is torch.Tensor else iter_tensors(output, "out")
@@ -390,8 +391,6 @@ class Recorder:
             call.end_order = next(self._ends)
             if output is None:  # raised (or returned nothing)
                 self._note_unwound(index)
-            elif call.parent is None and self.record_grads and type(output) is not torch.Tensor:
-                self.used_inside += [(index, p) for p in used_inside(list(iter_tensors(output, "out")))]
         except Exception as exc:
             self.error = self.error or exc
 

@@ -8,6 +8,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..records import LOSS
+
 # The number the next autograd node made on this thread gets (nodes are numbered in the order they are made); a
 # private torch function: without it, backward findings name no call, as before.
 _next_node: Optional[Callable[[], int]] = getattr(torch._C._autograd, "_get_sequence_nr", None)
@@ -23,6 +25,12 @@ class NodeCalls:
     def __init__(self) -> None:
         self._starts: dict[int, int] = {}
         self._ranges: list[tuple[int, int, str, int]] = []  # (first, end, module, call number)
+        self._backward_from: Optional[int] = None  # the first node number of the backward (recomputations)
+
+    def backward_starts(self) -> None:
+        """The forward and the loss are done: nodes from here on are the backward's own (a checkpoint's re-run)."""
+        if _next_node is not None and self._backward_from is None:  # (a second backward of the same graph)
+            self._backward_from = _next_node()
 
     def enter(self, index: int) -> None:
         if _next_node is not None:
@@ -34,9 +42,16 @@ class NodeCalls:
             self._ranges.append((first, _next_node(), module, number))
 
     def locate(self, node: int) -> Optional[tuple[str, int]]:
-        """The innermost call that made node number ``node`` (the latest-started range holding it), if any."""
+        """The innermost call that made node number ``node`` (the latest-started range holding it); ``(LOSS, 0)``
+        for a node made after the model returned and before the backward (the loss function, the loss scale);
+        else None (before the model ran, in the backward, on another thread: not known)."""
         best: Optional[tuple[int, int, str, int]] = None
         for r in self._ranges:
             if r[0] <= node < r[1] and (best is None or r[0] > best[0] or (r[0] == best[0] and r[1] < best[1])):
                 best = r
-        return (best[2], best[3]) if best is not None else None
+        if best is not None:
+            return best[2], best[3]
+        model_end = max((r[1] for r in self._ranges), default=None)
+        if model_end is not None and self._backward_from is not None and model_end <= node < self._backward_from:
+            return LOSS, 0
+        return None

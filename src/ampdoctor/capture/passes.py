@@ -271,7 +271,7 @@ class _Step:
             self._leave_region()
         output_slots = [(p, collector.add(t), bool(t.requires_grad)) for p, t in iter_tensors(output, "out")]
         if self.hidden is not None:
-            self.hidden.queue(collector)
+            self.hidden.queue(collector, output)
         self.slots = (batch_slots, output_slots, collector.add(loss))
         self.output, self.loss = output, loss
 

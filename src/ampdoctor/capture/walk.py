@@ -72,33 +72,3 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-
-def used_inside(outputs: list[tuple[str, torch.Tensor]]) -> list[str]:
-    """The paths of ``outputs`` (a root call's, as it returns: nothing of the loss built yet) that the forward's
-    own ops also consumed, differentiably, themselves or through the tensor they are a view of (a gradient hook on
-    a view sees its base's): a KV cache the attention read, embeddings the root multiplied into logits. Their
-    gradients come from inside the model too, so theirs is no "gradient of the loss reaching the model". Found by
-    one walk of the autograd graph behind them (edges into each output's node), only where two or more outputs
-    carry gradient (a model returning one tensor, or a loss, has none to tell apart)."""
-    wanted: dict[tuple[Any, int], list[str]] = {}
-    for path, t in outputs:
-        for held in (t, t._base):
-            if held is not None and held.grad_fn is not None:
-                wanted.setdefault((held.grad_fn, held.output_nr), []).append(path)
-    if sum(t.grad_fn is not None for _, t in outputs) < 2:
-        return []
-    found: set[str] = set()
-    seen: set[Any] = set()
-    todo = list(dict.fromkeys(fn for fn, _ in wanted))
-    while todo:
-        fn = todo.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        for edge in fn.next_functions:
-            if edge[0] is None:
-                continue
-            found.update(wanted.get(edge, ()))
-            if edge[0] not in seen:
-                todo.append(edge[0])
-    return [path for path, _ in outputs if path in found]

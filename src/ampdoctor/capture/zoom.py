@@ -287,6 +287,11 @@ class BackwardZoom(_Zoom):
         if self._calls is not None:
             recorder.node_calls = self._calls
 
+    def __enter__(self) -> _Zoom:
+        if self._calls is not None:  # entered as the backward starts
+            self._calls.backward_starts()
+        return super().__enter__()
+
     def _describe(self, func: Any, op: Op, written: Written) -> OpFinding:
         finding = super()._describe(func, op, written)
         node = torch._C._current_autograd_node()
