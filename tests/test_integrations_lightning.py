@@ -114,3 +114,28 @@ def test_lightning_float16_plugin_with_its_grad_scaler_names_the_overflow(tmp_pa
     assert [s.scale for s in steps][BAD_BATCH:BAD_BATCH + 2] == [65536.0, 32768.0]
     assert report.verdict == "overflow"
     assert report.forward_origin is not None and report.forward_origin.module == "net.boom"
+
+
+class ZeroGain(nn.Module):
+    """``x * (1 + |gain|)`` written as a square root, with ``gain`` at zero: finite forward and loss, a NaN gradient
+    for ``gain`` (d sqrt(u)/du = inf at 0, times 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + torch.sqrt(self.gain * self.gain))
+
+
+def test_lightning_bf16_mixed_nan_gradients_under_a_finite_loss_are_found_at_the_first_step(tmp_path: Path) -> None:
+    """No GradScaler in bfloat16: the watch checks the gradients itself when the callback closes the step (before
+    the optimizer), so the first step is the failure and its capture names the square root's backward."""
+    net = Net(OrderedDict(mix=nn.Linear(4, 4), gate=ZeroGain(), head=nn.Linear(4, 1)))
+    report = fit(net, data(torch.rand(4, 4) + 0.5), tmp_path, precision="bf16-mixed")
+    steps = report.steps
+    assert steps[0].forward_finite and not steps[0].grads_finite and steps[0].nonfinite_params == ("net.gate.gain",)
+    assert steps[0].captured and steps[0].run == "persistent"
+    assert report.backward_origin is not None and report.backward_origin.module == "net.gate"
+    assert report.backward_origin.op is not None and report.backward_origin.op.node == "SqrtBackward0"
+    assert "the weights changed" not in " ".join(report.run.notes)

@@ -97,6 +97,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (0, 1 outside torch.distributed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def agree(want: bool, device: torch.device) -> Optional[bool]:
     """Whether any rank wants a capture at this step (every rank calls this once per step); None when the
     collective failed or timed out."""

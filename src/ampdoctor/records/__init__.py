@@ -303,7 +303,7 @@ class StepRecord(NanEq):
     forward_finite: bool = True
     forward_origin: Optional[str] = None  # label of the forward origin call, when the step was captured
     backward_origin: Optional[str] = None
-    nonfinite_params: tuple[str, ...] = ()
+    nonfinite_params: tuple[str, ...] = ()  # parameters with inf/NaN gradients (a capture's, or the check below)
     new_scale: Optional[float] = None  # the scale after update()
     micro_batches: int = 0  # training forwards of the root module folded into this step (gradient accumulation)
     sampled: bool = False  # per-module statistics were taken on this step
@@ -313,6 +313,9 @@ class StepRecord(NanEq):
     nonfinite_outputs: tuple[str, ...] = ()  # modules with inf/NaN outputs, completion order
     nonfinite_grads: tuple[str, ...] = ()  # modules with inf/NaN output gradients, backward order
     local_nonfinite: bool = False  # this rank's own forward or pre-reduction gradients went non-finite
+    # False: no GradScaler checked this step (bfloat16, a disabled scaler) and a parameter's gradient held inf/NaN
+    # at its end (the optimizer applies it); nonfinite_params names them
+    grads_finite: bool = True
     captured: bool = False  # a full capture (diagnose of the failing inputs) ran on this step
     capture_verdict: Optional[Verdict] = None
     explained_by: Optional[int] = None  # a skipped step not captured itself: the step whose capture explains it

@@ -305,7 +305,7 @@ def steps_rows(report: ReportData) -> list[Row]:
     """The training steps that ``ampdoctor.watch`` recorded, one row each."""
     rows = []
     for st in report.steps:
-        bad = st.skipped or not st.forward_finite
+        bad = st.skipped or not st.forward_finite or not st.grads_finite
         origins = [o for o in (st.forward_origin, st.backward_origin) if o]
         params = st.nonfinite_params
         shown = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
@@ -314,7 +314,7 @@ def steps_rows(report: ReportData) -> list[Row]:
                 _td(str(st.step), True),
                 _td(fmt_num(st.loss), True),
                 _td(f"{fmt_num(st.scale)}", True),
-                _td("skipped" if st.skipped else "taken"),
+                _td("skipped" if st.skipped else "taken" if st.grads_finite else "taken, non-finite gradients"),
                 _td("finite" if st.forward_finite else "non-finite"),
                 _td(" / ".join(_code(o) for o in origins), raw=True),
                 _td(shown),
@@ -332,8 +332,10 @@ def steps_section(report: ReportData) -> str:
         return ""
     skipped = sum(1 for st in steps if st.skipped)
     scales = f"{fmt_num(steps[0].scale)} → {fmt_num(steps[-1].scale)}"
-    summary = f"Training steps: {len(steps)} ({skipped} skipped; scale {scales})"
-    is_open = " open" if skipped or not all(st.forward_finite for st in steps) else ""
+    unguarded = sum(1 for st in steps if not st.grads_finite and not st.skipped)
+    applied = f", {unguarded} with non-finite gradients that no GradScaler skipped" if unguarded else ""
+    summary = f"Training steps: {len(steps)} ({skipped} skipped{applied}; scale {scales})"
+    is_open = " open" if skipped or unguarded or not all(st.forward_finite for st in steps) else ""
     return (
         f"<details{is_open}><summary>{_e(summary)}</summary>"
         f"{_table(_STEPS_HEAD, steps_rows(report), 'steps')}</details>"

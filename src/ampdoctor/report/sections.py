@@ -277,9 +277,12 @@ def _steps(report: ReportData, max_rows: int) -> list[Block]:
     if not steps:
         return []
     skipped = [s for s in steps if s.skipped]
+    unguarded = [s for s in steps if not s.grads_finite and not s.skipped]  # no GradScaler skipped them
+    listed = [s for s in steps if s.skipped or not s.grads_finite]
     scales = [steps[0].scale] + [s.scale for a, s in zip(steps, steps[1:]) if s.scale != a.scale]
     history = " -> ".join(fmt_num(v) for v in scales[:12]) + (" ..." if len(scales) > 12 else "")
-    body: list[Block] = [Para(f"{len(steps)} step(s) recorded, {len(skipped)} skipped; scale {history}")]
+    applied = f", {len(unguarded)} with non-finite gradients that no GradScaler skipped" if unguarded else ""
+    body: list[Block] = [Para(f"{len(steps)} step(s) recorded, {len(skipped)} skipped{applied}; scale {history}")]
     rows: list[list[object]] = [
         [
             s.step,
@@ -290,9 +293,10 @@ def _steps(report: ReportData, max_rows: int) -> list[Block]:
             s.forward_origin or "-",
             s.backward_origin or "-",
         ]
-        for s in skipped[:max_rows]
+        for s in listed[:max_rows]
     ]
     if rows:
-        headers = ("skipped step", "rank", "scale", "run", "forward", "forward origin", "backward origin")
-        body.append(make_table(headers, rows, len(skipped)))
+        first = "bad step" if unguarded else "skipped step"
+        headers = (first, "rank", "scale", "run", "forward", "forward origin", "backward origin")
+        body.append(make_table(headers, rows, len(listed)))
     return body

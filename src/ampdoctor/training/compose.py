@@ -55,6 +55,7 @@ class RankPayload:
     scale: Optional[float]  # after the last step
     total_steps: int  # steps seen, kept or not
     forecasts: tuple[str, ...] = ()  # the overflow forecasts the watch warned about (:mod:`.lookout`)
+    scaled: bool = True  # an enabled GradScaler was watched (else steps end at doctor.step(), scale 1)
 
 
 def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
@@ -101,8 +102,8 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
         device_type=own.device_type,
         limits=format_limits(own.dtype),
         scale=scale,
-        scale_source="the watched GradScaler, after the last step",
-        loss_source="scaler.scale(loss)",
+        scale_source="the watched GradScaler, after the last step" if own.scaled else "no GradScaler",
+        loss_source="scaler.scale(loss)" if own.scaled else "doctor.see_loss(loss) or the model output's loss",
         model_class=own.model_class,
         autocast_note="",
         notes=tuple(notes),
@@ -217,13 +218,16 @@ def _near_limit(steps: list[StepRecord], dtype: torch.dtype) -> tuple[NearLimit,
 def _summary(own: RankPayload, steps: list[StepRecord], runs: list[Run]) -> list[str]:
     own_steps = [s for s in steps if s.rank == own.rank]
     skipped = sum(1 for s in own_steps if s.skipped)
+    unguarded = sum(1 for s in own_steps if not s.grads_finite)
     merged = merged_runs(runs)
     count = {status: sum(1 for r in merged if r.status == status) for status in (HARMLESS, PERSISTENT, OPEN)}
     every = own.stats_every
     lines = [
         f"watch: {own.total_steps} step(s), {len(own_steps)} kept"
         + (f", module statistics every {every} step(s)" if every else ", no module statistics")
-        + f"; {skipped} skipped in {len(merged)} run(s) of skipped steps: {count[HARMLESS]} harmless, "
+        + (f", {unguarded} with non-finite gradients that no GradScaler skipped" if unguarded else "")
+        + f"; {skipped} skipped in {len(merged)} run(s) of {'bad' if unguarded else 'skipped'} steps: "
+        f"{count[HARMLESS]} harmless, "
         f"{count[PERSISTENT]} persistent" + (f", {count[OPEN]} still open" if count[OPEN] else "")
     ]
     if own_steps:

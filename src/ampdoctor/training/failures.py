@@ -23,9 +23,12 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ..capture import sharded
+from ..capture.model import eager_calls
 from ..records import StepRecord
 from .bundle import Failure, PathLike, write_bundle
 from .bundle_format import DEFAULT_BUNDLE_DIR
+from .quiet import own_capture
 from .readback import MicroBatch
 from .replay_step import Capture, StepReplayer, capture, with_capture
 from .runs import PERSISTENT, CaptureKind, Run, RunTracker
@@ -80,6 +83,39 @@ class FailureTracker:
         due = kind is not None and bool(micro) and self.used[kind] < self.max_captures
         bundle = kind == "persistent" and bool(micro) and self.save_bundle and self.bundle_path is None
         return Plan(record, run, kind, due, bundle)
+
+    def act(
+        self,
+        plan: Optional[Plan],
+        micro: list[MicroBatch],
+        bad_micro: list[bool],
+        sharding: Optional[str],
+        replayer: Callable[[], StepReplayer],
+        history: Sequence[StepRecord],
+    ) -> Optional[StepRecord]:
+        """Run what the step's plan calls for (captures, the bundle), quietly: every watch ignores those passes;
+        ``sharding`` is the model's (:func:`~ampdoctor.capture.sharded.describe`).
+
+        Under FSDP2 the ranks first agree, every step, whether any of them wants a capture; if one does, all
+        gather the full model together."""
+        wants = plan is not None and plan.work
+        if sharding == "fsdp2":
+            agreed = sharded.agree(wants, sharded.agreement_device(self.root)) if self.world_size > 1 else wants
+            if agreed is None:
+                self.note("the ranks did not agree on a capture in time: no capture on this rank from now on")
+                self.max_captures = 0
+            if plan is None:
+                return None
+            if not agreed:
+                return self.execute(plan, micro, bad_micro, None, history)
+            with own_capture(), sharded.full_model(self.root):
+                return self.execute(plan, micro, bad_micro, replayer(), history)
+        if plan is None:
+            return None
+        if not plan.work or sharding == "fsdp1":
+            return self.execute(plan, micro, bad_micro, None, history)
+        with own_capture(), eager_calls(self.root):
+            return self.execute(plan, micro, bad_micro, replayer(), history)
 
     def execute(
         self,

@@ -56,6 +56,7 @@ class WatchedRun(Protocol):
     device_type: str
     targets: Any  # the step's targets, detached (None between steps)
     scaler: Any  # the watched GradScaler, or None
+    scaler_on: bool  # it is an enabled one (else nothing skips a step: steps close before the optimizer runs)
     _step: int  # the step number
     low: Optional[torch.dtype]  # the low-precision dtype of the run (None: not known yet)
     max_output_grad_bytes: int
@@ -190,7 +191,7 @@ class WatchHooks:
                 if w.low is None and not self.probed:
                     self._probe_autocast()
             with unseen():
-                micro = MicroBatch.keep(module, args, kwargs, w.targets, weights=w.scaler is None)
+                micro = MicroBatch.keep(module, args, kwargs, w.targets, weights=not w.scaler_on)
             cur = w.cur
             if len(cur.micro) >= MAX_MICRO_BATCHES:
                 cur.micro.popleft()

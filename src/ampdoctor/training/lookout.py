@@ -62,6 +62,7 @@ class Lookout:
         self.forecaster: Optional[Forecaster] = None
         self.dense_until = -1
         self.skipped = 0
+        self.unguarded = 0  # steps with non-finite gradients that no GradScaler skipped
         self.texts: list[str] = []  # the forecast warnings, for the report
         self.seen: dict[str, float] = {}  # the last step's |x|max per module (and per followed op)
 
@@ -74,7 +75,7 @@ class Lookout:
     def after_step(
         self, step: int, sampled: bool, pairs: list[Pair], low: Optional[torch.dtype], scale: Optional[float],
         skipped: bool, underflow: Optional[float], out_max: Optional[Mapping[str, float]] = None,
-        track: bool = True,
+        track: bool = True, grads_finite: bool = True,
     ) -> Optional[list[str]]:
         """Fold one step in (``out_max``: the step record's output maxima, when it has them: :func:`maxima` of its
         module pairs; read, never changed). Returns the new tracked-module list on a sampled step (else None;
@@ -92,6 +93,7 @@ class Lookout:
         if f.trending() and step >= self.dense_until:
             self.dense_until = step + DENSE_STEPS_ON_TREND
         self.skipped += int(skipped)
+        self.unguarded += int(not grads_finite and not skipped)
         if self.sink is not None:
             self._log(step, scale, underflow, forecast)
         if sampled and track:
@@ -122,6 +124,8 @@ class Lookout:
         if scale is not None:
             values[PREFIX + "loss_scale"] = float(scale)
         values[PREFIX + "skipped_steps"] = float(self.skipped)
+        if self.unguarded:  # bfloat16 or a disabled scaler: the steps whose NaN/inf gradients were applied
+            values[PREFIX + "nonfinite_grad_steps"] = float(self.unguarded)
         latest = self.forecaster.latest()
         if latest:
             values[PREFIX + "headroom_bits_min"] = min(latest.values())

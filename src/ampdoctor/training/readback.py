@@ -99,14 +99,17 @@ class StepState:
 
     def read(
         self, step: int, rank: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor],
-        extras: Sequence[Extra] = (),
+        extras: Sequence[Extra] = (), grad_checks: Sequence[torch.Tensor] = (),
     ) -> tuple[StepRecord, list[bool]]:
         """The step's record, from one read-back of everything collected plus the scales and found-inf flags
-        (``before``/``after``: device tensors, or floats for a scaler without one; None: not read) and the
-        ``extras`` (blocks of statistics gathered elsewhere: a compiled model's buffer, weight norms)."""
+        (``before``/``after``: device tensors, or floats for a scaler without one; None: not read), the
+        ``extras`` (blocks of statistics gathered elsewhere: a compiled model's buffer, weight norms) and the
+        ``grad_checks`` (without GradScaler's flags, :class:`~.gradcheck.GradCheck`'s: non-finite when a
+        gradient is)."""
         collector = self.collector
         scale_slots = [collector.add(v) for v in (before, after) if isinstance(v, torch.Tensor)]
         found_slots = [collector.add(v) for v in found]
+        check_slots = [collector.add(v) for v in grad_checks]
         extra_slots = [collector.add(e.tensor) for e in extras]
         numbers = collector.read()  # the one host transfer of this step
         tail = iter(numbers[i] for i in scale_slots)
@@ -135,6 +138,7 @@ class StepState:
                 )
         record, bad = step_record(
             step, rank, numbers, list(self.micro), self.orphan_losses, sampled, self.forwards, scales, folded,
+            all(math.isfinite(numbers[i]) for i in check_slots),
         )
         return dataclasses.replace(record, weight_norm=FrozenMap(weight_norm)) if weight_norm else record, bad
 
@@ -174,6 +178,7 @@ def step_record(
     forwards: int,
     scales: StepScales,
     folded: Optional[Folded] = None,
+    grads_finite: bool = True,
 ) -> tuple[StepRecord, list[bool]]:
     """The step's record from the numbers read back and, on a sampled step, its pairs ``folded`` per module
     (:func:`fold_pairs`); and which micro-batches had a non-finite forward.
@@ -207,6 +212,7 @@ def step_record(
         nonfinite_grads=tuple(f.bad_grad),
         # this rank's own forward, or its own gradients before any all-reduce, went non-finite
         local_nonfinite=not forward_finite or bool(f.bad_out) or bool(f.bad_grad),
+        grads_finite=grads_finite,
     )
     return record, bad_micro
 

@@ -64,6 +64,7 @@ class StepReplayer:
     device_type: str
     loss_fn: Optional[LossFn]
     notes: tuple[str, ...] = ()  # said in every capture's report (a compiled model replayed eagerly, FSDP, ...)
+    scaled: bool = True  # a GradScaler scales the watched loop's loss (else the scale is 1: bfloat16, disabled)
 
 
 def with_rng(rng: RngState, run: Callable[[], T]) -> T:
@@ -137,7 +138,10 @@ def _replay(replayer: StepReplayer, m: MicroBatch, scale: float, step: int, loss
         report = loss_gradient_origin(
             report, bad_grad[0], bad_grad[1], scale, replayer.low, loss_fn_given=replayer.loss_fn is not None
         )
-    run = dataclasses.replace(report.run, scale_source=f"the watched GradScaler at step {step}")
+    scale_source = f"the watched GradScaler at step {step}" if replayer.scaled else f"no GradScaler, step {step}"
+    run = dataclasses.replace(report.run, scale_source=scale_source)
+    if loss is not None and loss_fn is None:  # the recorded gradient of the outputs stood in for the loss
+        run = dataclasses.replace(run, loss_source="the step's recorded output gradient")
     if not backward and report.run.backward_note:  # the capture chose the forward only, not the user
         run = dataclasses.replace(run, backward_note="")
     return add_notes(dataclasses.replace(report, run=run), notes)

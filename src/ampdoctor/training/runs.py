@@ -1,9 +1,10 @@
 """Runs of bad training steps: harmless, persistent or still open (pure: records in, records out; no torch).
 
-A *bad* step is a skipped one (GradScaler found inf/NaN) or one whose forward was non-finite. Consecutive bad
-steps form a run (ARCHITECTURE.md §2):
+A *bad* step is a skipped one (GradScaler found inf/NaN), one whose forward was non-finite, or, without a
+GradScaler, one whose gradients held inf/NaN. Consecutive bad steps form a run (ARCHITECTURE.md §2):
 
-* **persistent** as soon as one of its steps has a non-finite forward, a skip takes the scale below 1 (the
+* **persistent** as soon as one of its steps has a non-finite forward, non-finite gradients that no scaler
+  skipped (the optimizer applies them), a skip takes the scale below 1 (the
   gradients are non-finite even unscaled), or a divergence led into it (:mod:`.divergence`: the loss left its
   range, or a layer's weights or activations grew fast, shortly before; GradScaler backing off fixes none of
   these);
@@ -86,13 +87,19 @@ class Observed:
 
 
 def is_bad(step: StepRecord) -> bool:
-    return step.skipped or not step.forward_finite
+    return step.skipped or not step.forward_finite or not step.grads_finite
 
 
 def persistent_reason(step: StepRecord) -> str:
     """Why this bad step makes its run persistent, or ``""`` when it does not."""
     if not step.forward_finite:
         return "the forward was non-finite (loss or model output)"
+    if not step.grads_finite and not step.skipped:
+        first = f" ({', '.join(step.nonfinite_params[:3])}{' ...' if len(step.nonfinite_params) > 3 else ''})"
+        return (
+            f"parameter gradients were non-finite{first if step.nonfinite_params else ''} with no GradScaler to "
+            "skip the step (unless the loop skips it itself, the optimizer applies them)"
+        )
     if step.skipped and step.new_scale is not None and step.new_scale < 1:
         return f"the scale fell below 1 ({fmt_scale(step.new_scale)}): gradients are non-finite even unscaled"
     return ""

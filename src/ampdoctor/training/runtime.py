@@ -16,8 +16,9 @@ read-back into a record), ``runs`` and ``divergence`` (harmless / persistent / d
 (failure bundles), ``compose`` (per-rank payloads -> Report), ``lookout`` (after each step: the headroom forecast
 of ``forecast``, dense sampling, the tracked modules, ``log_to`` through ``sinks``).
 
-* **Step boundaries** come from ``scaler.update`` (``doctor.step()`` without a scaler); ``scaler.scale`` shows
-  the loss. Both are wrapped by shared taps (put back on exit, in any order, also after an exception).
+* **Step boundaries** come from ``scaler.update`` (a disabled scaler's ``step``, ``doctor.step()`` without one);
+  ``scaler.scale`` shows the loss: shared taps, put back on exit in any order. Without an enabled scaler nothing
+  skips a non-finite step: the watch checks the gradients itself (:mod:`.gradcheck`).
 * **Every step** (cheap): the root module's inputs (by reference, for a replay), every RNG stream before each
   forward, the loss, the root outputs' min/max, the gradient the loss sent into the outputs (until the step
   ends, up to ``max_output_grad_bytes``), the scale before and after ``update`` and GradScaler's found-inf flags:
@@ -43,7 +44,7 @@ from torch import nn
 from ..capture import sharded
 from ..capture.cleanup import protect_frames_of, uninterrupted, uninterrupted_enter
 from ..capture.dtypes import LOW_DTYPES
-from ..capture.model import eager_calls, unwrap_model
+from ..capture.model import unwrap_model
 from ..capture.room import HeldWhileOn
 from ..capture.stats import format_limits
 from ..records import FrozenMap, ModuleInfo, StepRecord
@@ -54,6 +55,7 @@ from .compose import RankPayload, compose_report, trends
 from .failures import FailureTracker, Plan
 from .fastpath import Slabs
 from .forecast import FORECAST_HORIZON, WARN_HEADROOM_BITS
+from .gradcheck import GradCheck
 from .hooks import MAX_MICRO_BATCHES, WatchHooks
 from .lookout import Lookout
 from .options import (
@@ -65,7 +67,6 @@ from .options import (
     check_scaler,
     parameters_of,
 )
-from .quiet import own_capture
 from .readback import Extra, StepState, WeightNorms, detach_tree, found_inf_flags, loss_value, scale_value
 from .replay_step import LossFn, StepReplayer
 from .runs import is_bad
@@ -79,14 +80,6 @@ WEIGHT_NORMS_EVERY = 10
 # Hook errors and notes kept for the report (a broken hook fires every step: its first errors say enough).
 ERRORS_KEPT = 5
 NOTES_KEPT = 20
-
-
-def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class Watch:
@@ -121,6 +114,9 @@ class Watch:
         self.model = model
         self.root, wrappers = unwrap_model(model)
         self.scaler = scaler
+        # an enabled scaler skips bad steps, update() closes them; a disabled one's step() closes them (before opt)
+        self.scaler_on = scaler is not None and bool(getattr(scaler, "is_enabled", lambda: True)())
+        self._stepped = False  # a disabled scaler's step() closed the current step; its update() closes nothing
         self.loss_fn = options.loss_fn
         self.stats_every = options.stats_every
         self.max_captures = options.max_captures
@@ -140,7 +136,7 @@ class Watch:
         self.device_type = param.device.type if param is not None else "cpu"
         if self.low is None and param is not None and param.dtype in LOW_DTYPES:
             self.low = param.dtype  # a model cast to float16/bfloat16 runs low precision without autocast
-        self.rank, self.world_size = _rank_and_world()
+        self.rank, self.world_size = sharded.rank_and_world()
         self.names = {id(m): name for name, m in self.root.named_modules()}
         self._steps: deque[StepRecord] = deque(maxlen=options.history)
         self._step = 0
@@ -157,6 +153,7 @@ class Watch:
         self.hooks.count_underflow = self._lookout.sink is not None
         self._taps: list[Tap] = []
         self._norms = WeightNorms(self.root)
+        self._grads = GradCheck(self.root)
         self._failures = FailureTracker(
             self.root, max_captures=self.max_captures, save_bundle=options.save_bundle, bundle_dir=options.bundle_dir,
             rank=self.rank, world_size=self.world_size, scaler=scaler, note=self._note,
@@ -189,6 +186,8 @@ class Watch:
             self.hooks.install()
             if self.scaler is not None:
                 self._taps = [join(self.scaler, "scale", self), join(self.scaler, "update", self)]
+                if not self.scaler_on:
+                    self._taps.append(join(self.scaler, "step", self))
             self.hooks.sample(self._sampled(self._step), self._step <= self._lookout.dense_until)
         except BaseException:
             self.close()
@@ -233,7 +232,7 @@ class Watch:
     def step(self) -> None:
         """Close a step by hand, for loops without a GradScaler (bfloat16): after the backward, before
         ``optimizer.step()``, so a capture replays the weights of the failing forward. With a scaler, ``update``
-        does it."""
+        does it (a disabled scaler's ``step``)."""
         self._end_step(None, None, [])
 
     @property
@@ -255,7 +254,7 @@ class Watch:
         rank must call it.
         """
         payload = self._payload()
-        rank, world = _rank_and_world()
+        rank, world = sharded.rank_and_world()
         payloads = [payload]
         if (world > 1 if merge is None else merge) and world > 1:
             import torch.distributed as dist
@@ -286,6 +285,15 @@ class Watch:
         except Exception as exc:
             self.fail(exc)
 
+    def before_step(self) -> None:
+        """A disabled scaler's ``step(optimizer)`` is about to apply the gradients: the step closes here, so that a
+        capture replays the weights of its forward (the first ``step`` of several optimizers closes it)."""
+        if not self.active or self.scaler_on:
+            return
+        self._stepped = True
+        if self.cur.forwards or self.cur.orphan_losses:  # else closed already (doctor.step(), an earlier optimizer)
+            self._end_step(None, None, [])
+
     def before_update(self) -> tuple[Any, list[torch.Tensor]]:
         if not self.active:
             return None, []
@@ -298,6 +306,9 @@ class Watch:
     def after_update(self, before: tuple[Any, list[torch.Tensor]]) -> None:
         if not self.active:
             return
+        if self._stepped:  # a disabled scaler: its step() closed the step already
+            self._stepped = False
+            return
         try:
             after = scale_value(self.scaler)
         except Exception as exc:
@@ -306,6 +317,7 @@ class Watch:
         self._end_step(before[0], after, before[1])
 
     def update_failed(self) -> None:
+        self._stepped = False
         self._drop_step()
 
     # -- the step boundary ----------------------------------------------------------------------------------
@@ -339,7 +351,8 @@ class Watch:
         except Exception as exc:
             self.fail(exc)
         try:
-            done = self._act(plan, list(cur.micro), bad_micro)
+            micro, history = list(cur.micro), tuple(self._steps)
+            done = self._failures.act(plan, micro, bad_micro, self.sharding.kind, self._replayer, history)
             if done is not None:
                 self._steps.append(done)
         except Exception as exc:
@@ -357,7 +370,7 @@ class Watch:
         underflow = cur.collector.underflow_share(cur.numbers) if sampled else None
         tracked = self._lookout.after_step(
             record.step, sampled, cur.pairs, self.low, record.new_scale, record.skipped, underflow,
-            cur.out_max if record.sampled else None, track=self.stats_every != 1,
+            cur.out_max if record.sampled else None, track=self.stats_every != 1, grads_finite=record.grads_finite,
         )
         self.hooks.looked(tracked, self._lookout.seen, self._failures.captures)
 
@@ -369,7 +382,13 @@ class Watch:
         compiled = self.hooks.compiled
         if sampled and compiled is not None:
             extras.append(compiled.extra())
-        record, bad_micro = cur.read(step, self.rank, sampled, before, after, found, extras)
+        # no GradScaler flags (no scaler, a disabled one): nothing skips a step whose gradients are non-finite
+        checks = self._grads.values() if not found else []
+        record, bad_micro = cur.read(step, self.rank, sampled, before, after, found, extras, checks)
+        if not record.grads_finite:
+            names, count = self._grads.nonfinite()
+            record = dataclasses.replace(record, grads_finite=not count, nonfinite_params=names)
+        self._grads.clear()
         if sampled and compiled is not None and not compiled.seen and cur.forwards:
             self._note(NO_STATS_NOTE)
         if is_bad(record) and self._failures.runs.open_run is None and not record.weight_norm:
@@ -383,40 +402,18 @@ class Watch:
         """Each module's own parameters' L2 norm (this rank's shard of a sharded parameter), as one block."""
         return self._norms.block()
 
-    def _act(self, plan: Optional[Plan], micro: list[Any], bad_micro: list[bool]) -> Optional[StepRecord]:
-        """Run what the step's plan calls for (captures, the bundle), quietly: every watch ignores those passes.
-
-        Under FSDP2 the ranks first agree, every step, whether any of them wants a capture; if one does, all
-        gather the full model together."""
-        wants = plan is not None and plan.work
-        if self.sharding.kind == "fsdp2":
-            agreed = sharded.agree(wants, sharded.agreement_device(self.root)) if self.world_size > 1 else wants
-            if agreed is None:
-                self._note("the ranks did not agree on a capture in time: no capture on this rank from now on")
-                self._failures.max_captures = 0
-            if plan is None:
-                return None
-            if not agreed:
-                return self._failures.execute(plan, micro, bad_micro, None, tuple(self._steps))
-            with own_capture(), sharded.full_model(self.root):
-                return self._failures.execute(plan, micro, bad_micro, self._replayer(), tuple(self._steps))
-        if plan is None:
-            return None
-        if not plan.work or self.sharding.kind == "fsdp1":
-            return self._failures.execute(plan, micro, bad_micro, None, tuple(self._steps))
-        with own_capture(), eager_calls(self.root):
-            return self._failures.execute(plan, micro, bad_micro, self._replayer(), tuple(self._steps))
-
     def _replayer(self) -> StepReplayer:
         notes = [COMPILED_NOTE] if self.hooks.compiled is not None else []
         if self.sharding.kind == "fsdp2":
             notes.append(sharded.FSDP2_NOTE)
-        return StepReplayer(self.root, self.low or torch.float16, self.device_type, self.loss_fn, tuple(notes))
+        return StepReplayer(
+            self.root, self.low or torch.float16, self.device_type, self.loss_fn, tuple(notes), self.scaler_on
+        )
 
     # -- reporting ------------------------------------------------------------------------------------------
     def _payload(self) -> RankPayload:
         """Everything ``report`` needs from this rank (what ranks exchange)."""
-        scaler_on = self.scaler is not None and bool(getattr(self.scaler, "is_enabled", lambda: True)())
+        scaler_on = self.scaler_on
         return RankPayload(
             rank=self.rank,
             world_size=self.world_size,
@@ -435,6 +432,7 @@ class Watch:
             scale=self._steps[-1].new_scale if self._steps else None,
             total_steps=self._step,
             forecasts=tuple(self._lookout.texts),
+            scaled=scaler_on,
         )
 
     def _note(self, text: str) -> None:

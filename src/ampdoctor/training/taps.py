@@ -1,9 +1,9 @@
 """The scaler methods a watch listens to: one shared tap per scaler and method, however many watches listen.
 
-A tap replaces ``scaler.scale`` / ``scaler.update`` by an instance attribute that calls the method the scaler had
-(its own instance attribute, or the class's) and tells every listening watch. Watches join and leave in any
-order; when the last one leaves, the scaler gets back exactly what it had: its own instance attribute, or none.
-Nothing of the scaler's behaviour changes.
+A tap replaces ``scaler.scale`` / ``scaler.update`` (and, for a disabled scaler, ``scaler.step``) by an instance
+attribute that calls the method the scaler had (its own instance attribute, or the class's) and tells every
+listening watch. Watches join and leave in any order; when the last one leaves, the scaler gets back exactly what
+it had: its own instance attribute, or none. Nothing of the scaler's behaviour changes.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ _TAP_ATTRIBUTE = "_ampdoctor_tap"
 class ScaleListener(Protocol):
     def scaled(self, outputs: Any) -> None:
         """``scaler.scale(outputs)`` just ran."""
+
+
+class StepListener(Protocol):
+    def before_step(self) -> None:
+        """``scaler.step(optimizer)`` is about to run the optimizer."""
 
 
 class UpdateListener(Protocol):
@@ -39,7 +44,8 @@ class Tap:
         self.had_own = name in scaler.__dict__
         self.original: Callable[..., Any] = getattr(scaler, name)
         self.listeners: list[Any] = []
-        self.wrapper = self._scale_wrapper() if name == "scale" else self._update_wrapper()
+        wrappers = {"scale": self._scale_wrapper, "step": self._step_wrapper}
+        self.wrapper = wrappers.get(name, self._update_wrapper)()
         self.wrapper.__wrapped__ = self.original  # type: ignore[attr-defined]
         setattr(self.wrapper, _TAP_ATTRIBUTE, self)
         setattr(scaler, name, self.wrapper)
@@ -52,6 +58,14 @@ class Tap:
             return result
 
         return scale
+
+    def _step_wrapper(self) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            for listener in list(self.listeners):
+                listener.before_step()
+            return self.original(*args, **kwargs)
+
+        return step
 
     def _update_wrapper(self) -> Callable[..., Any]:
         def update(*args: Any, **kwargs: Any) -> Any:
