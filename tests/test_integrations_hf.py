@@ -83,3 +83,42 @@ def test_hf_trainer_bf16_names_the_log_of_zero(tmp_path: Path) -> None:
     assert report.forward_origin is not None and report.forward_origin.module == "log"
     assert report.forward_origin.op is not None and report.forward_origin.op.op == "aten::log"
     assert report.run.loss_source == "output['loss']"
+
+
+class ZeroGainRegressor(nn.Module):
+    """mix -> ``x * (1 + sqrt(gain * gain))`` with ``gain`` at zero -> head: a finite loss and a NaN gradient for
+    ``gain`` (d sqrt(u)/du = inf at 0, times 0), from the first step on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(4, 4)
+        self.gate = nn.Module()
+        self.gate.gain = nn.Parameter(torch.zeros(4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.mix(x)
+        logits = self.head(h * (1 + torch.sqrt(self.gate.gain * self.gate.gain)))
+        return {"loss": (logits.float().squeeze(-1) - labels).pow(2).mean(), "logits": logits}
+
+
+def test_hf_trainer_bf16_nan_gradients_under_a_finite_loss_fail_at_the_first_step(tmp_path: Path) -> None:
+    """No GradScaler in bfloat16: the watch checks the gradients itself when the callback closes the step (the
+    Trainer's gradient clipping has spread the NaN to every gradient by then); the capture names the root's
+    square root, whose backward made ``gate.gain``'s gradient NaN."""
+    model = ZeroGainRegressor()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, bf16=True, per_device_train_batch_size=4, max_steps=2,
+        learning_rate=0.0, report_to=[], save_strategy="no", disable_tqdm=True, logging_strategy="no",
+        dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
+    callback = hf_callback(trainer, save_bundle=False)
+    trainer.train()
+    report: Any = callback.report
+    first = report.steps[0]
+    assert first.forward_finite and not first.grads_finite and first.loss is not None
+    assert first.captured and first.run == "persistent"
+    assert first.nonfinite_params == ("gate.gain",)  # the capture's own backward: before any clipping
+    assert report.backward_origin is not None and report.backward_origin.label == "<root>"
+    assert report.backward_origin.op is not None and report.backward_origin.op.node == "SqrtBackward0"

@@ -223,13 +223,22 @@ def _attribute_params(trace: PassTrace, modules: Iterable[ModuleInfo]) -> dict[i
     for e in trace.grad_events:
         if e.kind != "param" or e.param is None:
             continue
-        candidates = calls_of.get(owners.get(e.param, ""), [])
+        candidates = calls_of.get(_ran(owners.get(e.param, ""), calls_of), [])
         if not candidates:
             continue
         before = [i for i in candidates if last_out.get(i, math.inf) < e.order]
         chosen = max(before, key=lambda i: last_out[i]) if before else candidates[0]
         out[chosen].append(e)
     return out
+
+
+def _ran(holder: str, calls_of: Mapping[str, list[int]]) -> str:
+    """The holder itself when it ran, else its closest ancestor that did: a module that only holds parameters
+    (``self.gate.gain`` read by its parent's forward, an ``nn.ParameterList``) is never called; the module whose
+    forward reads the parameter is one of its ancestors."""
+    while holder not in calls_of and holder:
+        holder = holder.rpartition(".")[0]
+    return holder
 
 
 def _attributable_inputs(trace: PassTrace) -> set[tuple[int, str]]:
