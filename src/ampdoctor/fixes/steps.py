@@ -22,6 +22,7 @@ from torch import nn
 from ..capture.passes import LossFn, resolve_loss
 from ..capture.walk import call_model
 from ..records import Recommendation
+from ..training.gradcheck import GradCheck
 
 DEFAULT_LR = 1e-3
 
@@ -32,6 +33,9 @@ class StepsResult:
     losses: tuple[float, ...]
     skipped: tuple[bool, ...]
     optimizer: str  # what was trained with: "AdamW(lr=0.001) (the default: no optimizer given)"
+    # without a GradScaler (bfloat16) nothing skips a step: the steps whose gradients held inf/NaN (applied)
+    bad_grads: tuple[bool, ...] = ()
+    scaled: bool = True  # under a GradScaler (float16); else no loss scaling (bfloat16)
 
     @property
     def backoff(self) -> int:
@@ -40,18 +44,27 @@ class StepsResult:
 
     @property
     def holds(self) -> bool:
-        """Loss finite at every step, and no skipped step after the initial back-off."""
+        """Loss finite at every step, no skipped step after the initial back-off, and (without a scaler) finite
+        gradients at every step."""
         return all(math.isfinite(v) for v in self.losses) and not any(self.skipped[self.backoff:]) and (
             self.backoff < self.steps
-        )
+        ) and not any(self.bad_grads)
 
     def sentence(self) -> str:
         bad = sum(not math.isfinite(v) for v in self.losses)
         later = sum(self.skipped[self.backoff:])
+        scaler = "GradScaler defaults" if self.scaled else "no GradScaler"
+        head = f"trained {self.steps} steps on the batch with it ({self.optimizer}, {scaler}): "
+        if self.steps and self.backoff == self.steps:
+            return head + (
+                f"does not hold; every step was skipped (GradScaler found inf/NaN at each of its {self.steps} "
+                f"scales, 65536 down to {2.0 ** (17 - self.steps):g}); loss non-finite at {bad} step(s)"
+            )
+        grads = f"gradients non-finite at {sum(self.bad_grads)} step(s) with no GradScaler to skip them, " if any(
+            self.bad_grads) else ""
         return (
-            f"trained {self.steps} steps on the batch with it ({self.optimizer}, GradScaler defaults): "
-            + ("holds" if self.holds else "does not hold")
-            + f"; loss non-finite at {bad} step(s), {self.backoff} skipped during the initial back-off, "
+            head + ("holds" if self.holds else "does not hold")
+            + f"; loss non-finite at {bad} step(s), {grads}{self.backoff} skipped during the initial back-off, "
             f"{later} skipped after it"
         )
 
@@ -93,6 +106,7 @@ def train_steps(
     devices = [p.device.index or 0 for p in model.parameters() if p.is_cuda][:1]
     losses: list[float] = []
     skipped: list[bool] = []
+    bad_grads: list[bool] = []
     with torch.random.fork_rng(devices=devices), remedy(model):
         opt, described = _optimizer(model, optimizer)
         scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
@@ -102,11 +116,13 @@ def train_steps(
                 loss, _ = resolve_loss(call_model(model, batch), batch, loss_fn)
             scaler.scale(loss.float()).backward()
             before = scaler.get_scale()
+            if not scaler.is_enabled():  # nothing skips non-finite gradients: the optimizer would apply them
+                bad_grads.append(not all(math.isfinite(v.item()) for v in GradCheck(model).values()))
             scaler.step(opt)
             scaler.update()
             losses.append(float(loss.detach().float()))
             skipped.append(scaler.is_enabled() and scaler.get_scale() < before)
-    return StepsResult(steps, tuple(losses), tuple(skipped), described)
+    return StepsResult(steps, tuple(losses), tuple(skipped), described, tuple(bad_grads), scaler.is_enabled())
 
 
 def no_remedy(model: nn.Module) -> AbstractContextManager[Any]:
