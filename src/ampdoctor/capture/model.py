@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Callable
 
+import torch
 from torch import nn
 
 from ..errors import InvalidInput
@@ -61,12 +63,28 @@ def find_module(root: nn.Module, name: str) -> nn.Module:
 @contextlib.contextmanager
 def eager_calls(root: nn.Module) -> Iterator[None]:
     """Every module of ``root`` runs eagerly inside (a capture's hooks must see every call): the compiled calls
-    of ``model.compile()`` are set aside and put back."""
+    of ``model.compile()`` are set aside and put back, and functions the forward calls through ``torch.compile``
+    run eagerly too (:func:`_eager_stance`)."""
     put_back = _set_compiled_calls_aside(root)
     try:
-        yield
+        with _eager_stance():
+            yield
     finally:
         put_back()
+
+
+def _eager_stance() -> contextlib.AbstractContextManager[object]:
+    """``torch.compiler.set_stance("force_eager")`` (torch >= 2.6) while dynamo is loaded (``torch.compile``
+    loads it; ampdoctor never does for this): a compiled function inside the forward would otherwise trace
+    ampdoctor's own hooks and modes, recompiling up to dynamo's limit on every pass, and hide its ops in a fused
+    graph."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return contextlib.nullcontext()
+    stance: contextlib.AbstractContextManager[object] = set_stance("force_eager")
+    return stance
 
 
 @uninterrupted
