@@ -51,9 +51,7 @@ def test_ops_inside_a_compiled_function_are_seen_and_dynamo_traces_nothing_durin
     assert origin is not None and origin.module == "2"  # 5000 x 5000: the second block overflows
     assert origin.op is not None and origin.op.op == "aten::mul.Tensor" and origin.op.scalar_args == (5000.0,)
     assert origin.op.location is not None and origin.op.location.function == "amplify"
-    # the function is compiled again afterwards: the stance is back to the default
-    m(x)
-    assert frames() == before
+    assert dynamo.eval_frame._stance.stance == "default"  # torch's own record of the stance: put back
 
 
 def test_the_stance_is_put_back_when_the_model_raises() -> None:

@@ -100,3 +100,16 @@ def test_one_rank_alone_reports_only_its_own_steps() -> None:
         "a run of skipped steps from step 2 was still going at report time (2 skipped): not yet harmless (no good "
         "step at a scale >= 1 since)",
     )
+
+
+def test_a_healthy_distributed_run_says_only_that_it_merged_the_ranks() -> None:
+    good = [dataclasses.replace(s, skipped=False, forward_finite=True, local_nonfinite=False, new_scale=s.scale)
+            for s in rank_steps(0, False)]
+    payloads = [
+        dataclasses.replace(payload(r, False), steps=tuple(dataclasses.replace(s, rank=r) for s in good), runs=())
+        for r in (0, 1)
+    ]
+    report = compose_report(payloads, me=0)
+    assert report.verdict == "healthy"
+    assert "distributed run: 2 ranks merged on rank 0" in report.run.notes  # and nothing about skips
+    assert not any("reduced gradients" in n for n in report.run.notes)

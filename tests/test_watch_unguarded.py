@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import ampdoctor
+from ampdoctor.capture.gradcheck import MAX_NAMED, GradCheck
 from ampdoctor.records import StepRecord
-from ampdoctor.training.gradcheck import MAX_NAMED, GradCheck
 from ampdoctor.training.runs import is_bad, persistent_reason
 
 BF16 = torch.bfloat16
@@ -149,7 +149,7 @@ def test_finite_gradients_whose_float32_norm_overflows_are_not_called_non_finite
     check = GradCheck(layer)
     [value] = check.values()
     assert value.item() == float("inf")  # the cheap check flags it ...
-    assert check.nonfinite() == ((), 0)  # ... the exact one clears it
+    assert check.nonfinite() == ((), 0, False)  # ... the exact one clears it
 
 
 def test_the_check_names_the_non_finite_gradients_in_model_order_up_to_a_bound() -> None:
@@ -162,15 +162,16 @@ def test_the_check_names_the_non_finite_gradients_in_model_order_up_to_a_bound()
     check = GradCheck(model)
     values = check.values()
     assert len(values) == 1 and not torch.isfinite(values[0]) and values[0].dtype == torch.float32
-    named, count = check.nonfinite()
+    named, count, nan_only = check.nonfinite()
     bad = [n for i, n in enumerate(names) if i % 2 or i == 0]
     assert count == len(bad) and named == tuple(bad[:MAX_NAMED])
+    assert not nan_only  # the inf in 0.weight
 
 
 def test_no_gradient_at_all_is_nothing_to_check() -> None:
     check = GradCheck(nn.Linear(2, 2))
     assert check.values() == []
-    assert check.nonfinite() == ((), 0)
+    assert check.nonfinite() == ((), 0, False)
 
 
 @pytest.mark.parametrize(
@@ -244,3 +245,226 @@ def test_a_disabled_scaler_with_two_optimizers_and_accumulation_closes_one_step_
     assert [s.micro_batches for s in steps] == [2, 2, 2]
     assert all(s.loss is not None and s.grads_finite and not s.skipped for s in steps)
     assert doctor.report().verdict == "healthy"
+
+
+# -- step boundaries with a disabled scaler, and scalers that are not torch's ----------------------------------
+
+
+def disabled_loop(
+    model: nn.Module, iterations: int, order: str, steps_per_iteration: int = 1
+) -> ampdoctor.Watch:
+    """A bfloat16 loop through ``GradScaler(enabled=False)``; ``order``: what closes each iteration, in order
+    (``s`` scaler.step, ``d`` doctor.step(), ``u`` scaler.update; ``c`` an LBFGS closure through scaler.step)."""
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    opt: torch.optim.Optimizer = (
+        torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=1) if "c" in order
+        else torch.optim.SGD(model.parameters(), lr=0.0)
+    )
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=BF16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        return loss
+
+    with ampdoctor.watch(model, scaler, save_bundle=False, stats_every=0) as doctor:
+        for _ in range(iterations):
+            if "c" not in order:
+                closure()
+            for what in order:
+                if what == "c":
+                    scaler.step(opt, closure)
+                elif what == "s":
+                    scaler.step(opt)
+                elif what == "d":
+                    doctor.step()
+                else:
+                    scaler.update()
+    return doctor
+
+
+@pytest.mark.parametrize("order", ["su", "sdu", "dsu", "ssu", "cu", "s"])
+def test_each_iteration_is_one_step_whatever_closes_it(order: str) -> None:
+    doctor = disabled_loop(healthy_model(), 3, order)
+    steps = doctor.report().steps
+    assert [s.step for s in steps] == [0, 1, 2]  # no empty step, none late
+    assert [s.micro_batches for s in steps] == [1, 1, 1]
+    assert all(s.loss is not None and s.grads_finite for s in steps)
+    assert doctor.report().verdict == "healthy"
+
+
+def test_a_disabled_scalers_report_says_so_and_names_scaler_scale_as_the_loss() -> None:
+    report = disabled_loop(healthy_model(), 2, "su").report()
+    assert report.run.scale_source == "the watched GradScaler, disabled (enabled=False)"
+    assert report.run.loss_source == "scaler.scale(loss)"
+    report = bf16_loop(healthy_model(), stats_every=0).report()
+    assert report.run.scale_source == "no GradScaler"
+    assert report.run.loss_source == "doctor.see_loss(loss) or the output's loss"
+
+
+class NoStepScaler:
+    """Duck-typed and disabled, without ``step`` (the loop calls the optimizer itself)."""
+
+    def is_enabled(self) -> bool:
+        return False
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def update(self) -> None:
+        pass
+
+
+def test_a_disabled_scaler_without_step_still_checks_the_gradients_at_update() -> None:
+    model = nan_grad_model()
+    scaler = NoStepScaler()
+    x = torch.randn(4, 8)
+    with ampdoctor.watch(model, scaler, save_bundle=False, stats_every=0, max_captures=0) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=BF16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.update()
+            model.zero_grad()
+    steps = doctor.report().steps
+    assert [s.grads_finite for s in steps] == [False, False] and steps[0].nonfinite_params == ("1.gain",)
+
+
+class OwnScaler:
+    """An enabled scaler that is not torch's (no found-inf flags): it skips a non-finite step itself without
+    lowering its scale (DeepSpeed's hysteresis does that). It is trusted: no second check of the gradients."""
+
+    def __init__(self) -> None:
+        self.value = 1024.0
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return self.value
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.value
+
+    def update(self) -> None:
+        pass
+
+
+def test_an_enabled_scaler_that_is_not_torchs_is_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(GradCheck, "values", lambda self: calls.append(1) or [])
+    model = nan_grad_model()
+    scaler = OwnScaler()
+    with ampdoctor.watch(model, scaler, save_bundle=False, stats_every=0, max_captures=0) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=BF16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.update()
+            model.zero_grad()
+    report = doctor.report()
+    assert calls == [] and all(s.grads_finite for s in report.steps)
+    assert "no GradScaler" not in str(report)
+
+
+# -- what the report keeps of the check ---------------------------------------------------------------------
+
+
+class FirstCallOnly(nn.Module):
+    """NaN gradient for ``gain`` on the first training forward only (a counter in a plain attribute): the
+    capture's replay is a later call, so it cannot reproduce the failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(8))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        g = torch.sqrt(self.gain * self.gain) if self.calls == 1 else self.gain.abs()
+        return x * (1 + g)
+
+
+def test_a_capture_that_does_not_reproduce_keeps_the_checks_names_and_the_verdict_follows_nan() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), FirstCallOnly(), nn.Linear(8, 1))
+    report = bf16_loop(model, steps=1, stats_every=0).report()
+    first = report.steps[0]
+    assert first.captured and first.backward_origin is None  # the replay was healthy
+    assert first.nonfinite_params == ("1.gain",) and first.grads_nan
+    assert report.verdict == "nan"  # NaN gradients, no inf: not "overflow"
+
+
+def test_inf_gradients_not_captured_are_an_overflow_and_nan_ones_a_nan() -> None:
+    torch.manual_seed(0)
+    report = bf16_loop(nan_grad_model(), steps=1, stats_every=0, max_captures=0).report()
+    assert report.verdict == "nan" and report.steps[0].grads_nan
+
+    class InfGrad(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.zeros(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.sqrt(self.gain)  # d sqrt(u)/du at 0: +inf, times a finite gradient
+
+    report = bf16_loop(nn.Sequential(nn.Linear(8, 8), InfGrad(), nn.Linear(8, 1)), steps=1, stats_every=0,
+                       max_captures=0).report()
+    assert not report.steps[0].grads_finite and not report.steps[0].grads_nan
+    assert report.verdict == "overflow"
+
+
+def test_a_parameter_replaced_after_the_watch_started_is_checked() -> None:
+    model = healthy_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(4, 8)
+    with ampdoctor.watch(model, save_bundle=False, stats_every=0, max_captures=0) as doctor:
+        for i in range(2):
+            if i == 1:  # a re-init replaces the head's parameters
+                model[2] = nn.Sequential(nn.Linear(8, 8), ZeroGain(), nn.Linear(8, 1))
+                opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=BF16):
+                loss = model(x).float().pow(2).mean()
+            doctor.see_loss(loss)
+            loss.backward()
+            doctor.step()
+    steps = doctor.report().steps
+    assert [s.grads_finite for s in steps] == [True, False]
+    assert steps[1].nonfinite_params == ("2.1.gain",)
+
+
+class SparseNet(nn.Module):
+    """A sparse embedding whose row 0 is zero, read as sqrt(e * e): that row's gradient is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8, sparse=True)
+        with torch.no_grad():
+            self.emb.weight[0] = 0.0
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.emb(ids)
+        return self.head(torch.sqrt(e * e))
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_sparse_gradients_are_checked_through_their_values(bad: bool) -> None:
+    torch.manual_seed(0)
+    model = SparseNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ids = torch.tensor([[0, 1, 2]]) if bad else torch.tensor([[1, 2, 3]])
+    with ampdoctor.watch(model, save_bundle=False, stats_every=0, max_captures=0) as doctor:
+        with torch.autocast("cpu", dtype=BF16):
+            loss = model(ids).float().pow(2).mean()
+        doctor.see_loss(loss)
+        loss.backward()
+        assert model.emb.weight.grad is not None and model.emb.weight.grad.is_sparse
+        doctor.step()
+        opt.step()
+    [step] = doctor.report().steps
+    assert step.grads_finite is not bad
+    assert step.nonfinite_params == (("emb.weight",) if bad else ())

@@ -19,10 +19,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..capture.gradcheck import GradCheck
 from ..capture.passes import LossFn, resolve_loss
 from ..capture.walk import call_model
 from ..records import Recommendation
-from ..training.gradcheck import GradCheck
 
 DEFAULT_LR = 1e-3
 
@@ -57,8 +57,10 @@ class StepsResult:
         head = f"trained {self.steps} steps on the batch with it ({self.optimizer}, {scaler}): "
         if self.steps and self.backoff == self.steps:
             return head + (
-                f"does not hold; every step was skipped (GradScaler found inf/NaN at each of its {self.steps} "
-                f"scales, 65536 down to {2.0 ** (17 - self.steps):g}); loss non-finite at {bad} step(s)"
+                "does not hold; every step was skipped (GradScaler found inf/NaN at "
+                + (f"each of its {self.steps} scales, 65536 down to {2.0 ** (17 - self.steps):g}"
+                   if self.steps > 1 else "its scale, 65536")
+                + f"); loss non-finite at {bad} step(s)"
             )
         grads = f"gradients non-finite at {sum(self.bad_grads)} step(s) with no GradScaler to skip them, " if any(
             self.bad_grads) else ""

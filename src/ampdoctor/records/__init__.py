@@ -316,6 +316,7 @@ class StepRecord(NanEq):
     # False: no GradScaler checked this step (bfloat16, a disabled scaler) and a parameter's gradient held inf/NaN
     # at its end (the optimizer applies it); nonfinite_params names them
     grads_finite: bool = True
+    grads_nan: bool = False  # of those gradients, some held NaN and none inf
     captured: bool = False  # a full capture (diagnose of the failing inputs) ran on this step
     capture_verdict: Optional[Verdict] = None
     explained_by: Optional[int] = None  # a skipped step not captured itself: the step whose capture explains it

@@ -23,7 +23,7 @@ from ..records import ModuleInfo, PassTrace, RunInfo, StepRecord, Verdict
 from ..report import Report
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 from .divergence import summary as divergence_summary
-from .replay_step import Capture
+from .replay_step import Capture, ScalerKind
 from .runs import HARMLESS, OPEN, PERSISTENT, Run, annotate, is_bad, merged_runs, scale_from_runs
 
 # Headroom trend: warn when a layer's output headroom is under HEADROOM_TIGHT_BITS and fell at least this much
@@ -55,7 +55,14 @@ class RankPayload:
     scale: Optional[float]  # after the last step
     total_steps: int  # steps seen, kept or not
     forecasts: tuple[str, ...] = ()  # the overflow forecasts the watch warned about (:mod:`.lookout`)
-    scaled: bool = True  # an enabled GradScaler was watched (else steps end at doctor.step(), scale 1)
+    scaler: ScalerKind = "enabled"  # the watched loop's GradScaler (disabled or none: scale 1)
+
+
+_SCALE_SOURCES: dict[ScalerKind, str] = {
+    "enabled": "the watched GradScaler, after the last step",
+    "disabled": "the watched GradScaler, disabled (enabled=False)",
+    "none": "no GradScaler",
+}
 
 
 def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
@@ -102,8 +109,8 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
         device_type=own.device_type,
         limits=format_limits(own.dtype),
         scale=scale,
-        scale_source="the watched GradScaler, after the last step" if own.scaled else "no GradScaler",
-        loss_source="scaler.scale(loss)" if own.scaled else "doctor.see_loss(loss) or the model output's loss",
+        scale_source=_SCALE_SOURCES[own.scaler],
+        loss_source="scaler.scale(loss)" if own.scaler != "none" else "doctor.see_loss(loss) or the output's loss",
         model_class=own.model_class,
         autocast_note="",
         notes=tuple(notes),
@@ -123,9 +130,10 @@ def explained_later(steps: Sequence[StepRecord], runs: Sequence[Run]) -> list[St
         run = next((r for r in runs if r.start <= s.step and (r.end is None or s.step <= r.end)), None)
         source = captured.get(run.capture_step) if run is not None and run.capture_step is not None else None
         if source is not None and is_bad(s) and not s.captured and s.explained_by is None and s.step < source.step:
+            own = s.nonfinite_params if not s.grads_finite else ()  # the step's own gradient check named them
             s = dataclasses.replace(
                 s, forward_origin=source.forward_origin, backward_origin=source.backward_origin,
-                nonfinite_params=source.nonfinite_params, explained_by=source.step,
+                nonfinite_params=own or source.nonfinite_params, explained_by=source.step,
             )
         out.append(s)
     return out
@@ -173,7 +181,8 @@ def _findings(
             return base.findings
         failing = next((s for s in steps if s.step == first.persistent_step), None)
         nan_loss = failing is not None and failing.loss is not None and math.isnan(failing.loss)
-        verdict: Verdict = "nan" if nan_loss else "overflow"
+        nan_grads = failing is not None and failing.forward_finite and failing.grads_nan  # NaN, and no inf
+        verdict: Verdict = "nan" if nan_loss or nan_grads else "overflow"
         why = (
             "the capture did not reproduce it"
             if base is not None
@@ -218,7 +227,7 @@ def _near_limit(steps: list[StepRecord], dtype: torch.dtype) -> tuple[NearLimit,
 def _summary(own: RankPayload, steps: list[StepRecord], runs: list[Run]) -> list[str]:
     own_steps = [s for s in steps if s.rank == own.rank]
     skipped = sum(1 for s in own_steps if s.skipped)
-    unguarded = sum(1 for s in own_steps if not s.grads_finite)
+    unguarded = sum(1 for s in own_steps if not s.grads_finite and not s.skipped)
     merged = merged_runs(runs)
     count = {status: sum(1 for r in merged if r.status == status) for status in (HARMLESS, PERSISTENT, OPEN)}
     every = own.stats_every
@@ -250,10 +259,12 @@ def _rank_note(
     payloads: Sequence[RankPayload], steps: list[StepRecord], first_local: Optional[tuple[int, int]], me: int
 ) -> str:
     head = f"distributed run: {len(payloads)} ranks merged on rank {me}"
+    if not any(is_bad(s) for s in steps):
+        return head
     if first_local is None:
         return head + (
-            "; no rank's own forward or pre-reduction gradients were seen non-finite (the skips come from the "
-            "reduced gradients, or were not captured)"
+            "; no rank's own forward or pre-reduction gradients were seen non-finite (the skips or non-finite "
+            "gradients come from the reduced gradients, or were not captured)"
         )
     step, rank = first_local
     record = next((s for s in steps if s.step == step and s.rank == rank), None)

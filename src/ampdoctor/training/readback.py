@@ -104,8 +104,8 @@ class StepState:
         """The step's record, from one read-back of everything collected plus the scales and found-inf flags
         (``before``/``after``: device tensors, or floats for a scaler without one; None: not read), the
         ``extras`` (blocks of statistics gathered elsewhere: a compiled model's buffer, weight norms) and the
-        ``grad_checks`` (without GradScaler's flags, :class:`~.gradcheck.GradCheck`'s: non-finite when a
-        gradient is)."""
+        ``grad_checks`` (without an enabled scaler, :class:`~ampdoctor.capture.gradcheck.GradCheck`'s values:
+        non-finite when a gradient is)."""
         collector = self.collector
         scale_slots = [collector.add(v) for v in (before, after) if isinstance(v, torch.Tensor)]
         found_slots = [collector.add(v) for v in found]

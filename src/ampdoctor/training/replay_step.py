@@ -17,7 +17,7 @@ import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Literal, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -55,6 +55,14 @@ class Capture:
     local_nonfinite: bool  # the replay found an origin: this rank's own forward or backward made inf/NaN
 
 
+ScalerKind = Literal["enabled", "disabled", "none"]  # the watched loop's GradScaler: on, enabled=False, none
+SCALE_SOURCES: dict[ScalerKind, str] = {
+    "enabled": "the watched GradScaler at step {step}",
+    "disabled": "the watched GradScaler, disabled (enabled=False), step {step}",
+    "none": "no GradScaler, step {step}",
+}
+
+
 @dataclass(frozen=True)
 class StepReplayer:
     """What a capture needs to know of the watched model."""
@@ -64,7 +72,7 @@ class StepReplayer:
     device_type: str
     loss_fn: Optional[LossFn]
     notes: tuple[str, ...] = ()  # said in every capture's report (a compiled model replayed eagerly, FSDP, ...)
-    scaled: bool = True  # a GradScaler scales the watched loop's loss (else the scale is 1: bfloat16, disabled)
+    scaler: ScalerKind = "enabled"  # the watched loop's GradScaler (else the scale is 1: bfloat16, disabled)
 
 
 def with_rng(rng: RngState, run: Callable[[], T]) -> T:
@@ -138,7 +146,7 @@ def _replay(replayer: StepReplayer, m: MicroBatch, scale: float, step: int, loss
         report = loss_gradient_origin(
             report, bad_grad[0], bad_grad[1], scale, replayer.low, loss_fn_given=replayer.loss_fn is not None
         )
-    scale_source = f"the watched GradScaler at step {step}" if replayer.scaled else f"no GradScaler, step {step}"
+    scale_source = SCALE_SOURCES[replayer.scaler].format(step=step)
     run = dataclasses.replace(report.run, scale_source=scale_source)
     if loss is not None and loss_fn is None:  # the recorded gradient of the outputs stood in for the loss
         run = dataclasses.replace(run, loss_source="the step's recorded output gradient")
@@ -358,11 +366,14 @@ def with_capture(record: StepRecord, report: Report, local: Optional[bool]) -> S
     """A step record with what a capture found: origins and the parameters with non-finite gradients."""
     fwd, bwd = report.forward_origin, report.backward_origin
     params = sorted(name for name, stats in report.trace.param_grads().items() if not stats.is_finite)
+    # the capture's own backward names them before any clipping spread the NaN; one that did not reproduce it
+    # leaves the names of the step's gradient check (bfloat16, no GradScaler)
+    kept = record.nonfinite_params if not record.grads_finite else ()
     return dataclasses.replace(
         record,
         forward_origin=fwd.label if fwd else None,
         backward_origin=bwd.label if bwd else None,
-        nonfinite_params=tuple(params),
+        nonfinite_params=tuple(params) or kept,
         captured=True,
         capture_verdict=report.verdict,
         local_nonfinite=record.local_nonfinite or bool(local),

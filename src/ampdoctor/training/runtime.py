@@ -18,7 +18,7 @@ of ``forecast``, dense sampling, the tracked modules, ``log_to`` through ``sinks
 
 * **Step boundaries** come from ``scaler.update`` (a disabled scaler's ``step``, ``doctor.step()`` without one);
   ``scaler.scale`` shows the loss: shared taps, put back on exit in any order. Without an enabled scaler nothing
-  skips a non-finite step: the watch checks the gradients itself (:mod:`.gradcheck`).
+  skips a non-finite step: the watch checks the gradients itself (:mod:`~ampdoctor.capture.gradcheck`).
 * **Every step** (cheap): the root module's inputs (by reference, for a replay), every RNG stream before each
   forward, the loss, the root outputs' min/max, the gradient the loss sent into the outputs (until the step
   ends, up to ``max_output_grad_bytes``), the scale before and after ``update`` and GradScaler's found-inf flags:
@@ -44,6 +44,7 @@ from torch import nn
 from ..capture import sharded
 from ..capture.cleanup import protect_frames_of, uninterrupted, uninterrupted_enter
 from ..capture.dtypes import LOW_DTYPES
+from ..capture.gradcheck import GradCheck
 from ..capture.model import unwrap_model
 from ..capture.room import HeldWhileOn
 from ..capture.stats import format_limits
@@ -55,7 +56,6 @@ from .compose import RankPayload, compose_report, trends
 from .failures import FailureTracker, Plan
 from .fastpath import Slabs
 from .forecast import FORECAST_HORIZON, WARN_HEADROOM_BITS
-from .gradcheck import GradCheck
 from .hooks import MAX_MICRO_BATCHES, WatchHooks
 from .lookout import Lookout
 from .options import (
@@ -67,8 +67,8 @@ from .options import (
     check_scaler,
     parameters_of,
 )
-from .readback import Extra, StepState, WeightNorms, detach_tree, found_inf_flags, loss_value, scale_value
-from .replay_step import LossFn, StepReplayer
+from .readback import StepState, WeightNorms, detach_tree, found_inf_flags, loss_value, scale_value
+from .replay_step import LossFn, ScalerKind, StepReplayer
 from .runs import is_bad
 from .taps import Tap, join
 
@@ -115,8 +115,10 @@ class Watch:
         self.root, wrappers = unwrap_model(model)
         self.scaler = scaler
         # an enabled scaler skips bad steps, update() closes them; a disabled one's step() closes them (before opt)
-        self.scaler_on = scaler is not None and bool(getattr(scaler, "is_enabled", lambda: True)())
-        self._stepped = False  # a disabled scaler's step() closed the current step; its update() closes nothing
+        on = scaler is not None and bool(getattr(scaler, "is_enabled", lambda: True)())
+        self.scaler_kind: ScalerKind = "enabled" if on else "disabled" if scaler is not None else "none"
+        self.scaler_on = on
+        self._stepped = False  # a disabled scaler's step() (or doctor.step()) closed the step: update() does not
         self.loss_fn = options.loss_fn
         self.stats_every = options.stats_every
         self.max_captures = options.max_captures
@@ -152,7 +154,7 @@ class Watch:
                                 self.world_size)
         self.hooks.count_underflow = self._lookout.sink is not None
         self._taps: list[Tap] = []
-        self._norms = WeightNorms(self.root)
+        self._norms = WeightNorms(self.root)  # each module's own parameters' L2 norm, as one block
         self._grads = GradCheck(self.root)
         self._failures = FailureTracker(
             self.root, max_captures=self.max_captures, save_bundle=options.save_bundle, bundle_dir=options.bundle_dir,
@@ -186,7 +188,7 @@ class Watch:
             self.hooks.install()
             if self.scaler is not None:
                 self._taps = [join(self.scaler, "scale", self), join(self.scaler, "update", self)]
-                if not self.scaler_on:
+                if not self.scaler_on and callable(getattr(self.scaler, "step", None)):
                     self._taps.append(join(self.scaler, "step", self))
             self.hooks.sample(self._sampled(self._step), self._step <= self._lookout.dense_until)
         except BaseException:
@@ -233,7 +235,11 @@ class Watch:
         """Close a step by hand, for loops without a GradScaler (bfloat16): after the backward, before
         ``optimizer.step()``, so a capture replays the weights of the failing forward. With a scaler, ``update``
         does it (a disabled scaler's ``step``)."""
+        fresh = bool(self.cur.forwards or self.cur.orphan_losses)
+        if self._stepped and not fresh:
+            return  # a disabled scaler's step() closed it already
         self._end_step(None, None, [])
+        self._stepped = self.scaler is not None and not self.scaler_on  # its update() closes nothing more
 
     @property
     def steps(self) -> list[StepRecord]:
@@ -288,11 +294,13 @@ class Watch:
     def before_step(self) -> None:
         """A disabled scaler's ``step(optimizer)`` is about to apply the gradients: the step closes here, so that a
         capture replays the weights of its forward (the first ``step`` of several optimizers closes it)."""
-        if not self.active or self.scaler_on:
-            return
-        self._stepped = True
-        if self.cur.forwards or self.cur.orphan_losses:  # else closed already (doctor.step(), an earlier optimizer)
+        if not self.active or self.scaler_on or not (self.cur.forwards or self.cur.orphan_losses):
+            return  # closed already (doctor.step(), an earlier optimizer), or the forwards run inside (a closure)
+        try:
             self._end_step(None, None, [])
+        except Exception as exc:  # never in the way of the optimizer
+            self.fail(exc)
+        self._stepped = True
 
     def before_update(self) -> tuple[Any, list[torch.Tensor]]:
         if not self.active:
@@ -378,42 +386,37 @@ class Watch:
         self, cur: StepState, step: int, sampled: bool, before: Any, after: Any, found: list[torch.Tensor]
     ) -> tuple[StepRecord, list[bool]]:
         norms_due = sampled and (step % WEIGHT_NORMS_EVERY == 0 or step <= self._dense_until)
-        extras = [self._weight_norms()] if norms_due else []
+        extras = [self._norms.block()] if norms_due else []
         compiled = self.hooks.compiled
         if sampled and compiled is not None:
             extras.append(compiled.extra())
-        # no GradScaler flags (no scaler, a disabled one): nothing skips a step whose gradients are non-finite
-        checks = self._grads.values() if not found else []
+        # no enabled scaler (none, a disabled one): nothing skips a step whose gradients are non-finite
+        checks = self._grads.values() if not self.scaler_on else []
         record, bad_micro = cur.read(step, self.rank, sampled, before, after, found, extras, checks)
         if not record.grads_finite:
-            names, count = self._grads.nonfinite()
-            record = dataclasses.replace(record, grads_finite=not count, nonfinite_params=names)
+            names, count, nan = self._grads.nonfinite()
+            record = dataclasses.replace(record, grads_finite=not count, grads_nan=nan, nonfinite_params=names)
         self._grads.clear()
         if sampled and compiled is not None and not compiled.seen and cur.forwards:
             self._note(NO_STATS_NOTE)
         if is_bad(record) and self._failures.runs.open_run is None and not record.weight_norm:
-            weights = self._weight_norms()  # a run starts: the weights it started from (one more read-back)
+            weights = self._norms.block()  # a run starts: the weights it started from (one more read-back)
             record = dataclasses.replace(
                 record, weight_norm=FrozenMap(weights.decode(weights.tensor.tolist()).weight_norm)
             )
         return record, bad_micro
-
-    def _weight_norms(self) -> Extra:
-        """Each module's own parameters' L2 norm (this rank's shard of a sharded parameter), as one block."""
-        return self._norms.block()
 
     def _replayer(self) -> StepReplayer:
         notes = [COMPILED_NOTE] if self.hooks.compiled is not None else []
         if self.sharding.kind == "fsdp2":
             notes.append(sharded.FSDP2_NOTE)
         return StepReplayer(
-            self.root, self.low or torch.float16, self.device_type, self.loss_fn, tuple(notes), self.scaler_on
+            self.root, self.low or torch.float16, self.device_type, self.loss_fn, tuple(notes), self.scaler_kind
         )
 
     # -- reporting ------------------------------------------------------------------------------------------
     def _payload(self) -> RankPayload:
         """Everything ``report`` needs from this rank (what ranks exchange)."""
-        scaler_on = self.scaler_on
         return RankPayload(
             rank=self.rank,
             world_size=self.world_size,
@@ -427,12 +430,12 @@ class Watch:
             modules=tuple(ModuleInfo(name, type(m).__name__) for name, m in self.root.named_modules()),
             model_class=type(self.root).__name__,
             device_type=self.device_type,
-            dtype=self.low or (torch.float16 if scaler_on else torch.bfloat16),
+            dtype=self.low or (torch.float16 if self.scaler_on else torch.bfloat16),
             stats_every=self.stats_every,
             scale=self._steps[-1].new_scale if self._steps else None,
             total_steps=self._step,
             forecasts=tuple(self._lookout.texts),
-            scaled=scaler_on,
+            scaler=self.scaler_kind,
         )
 
     def _note(self, text: str) -> None:
