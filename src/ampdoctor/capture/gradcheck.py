@@ -38,33 +38,48 @@ class GradCheck:
 
     def __init__(self, root: torch.nn.Module) -> None:
         self.root = root
-        # this step, per device: (names, gradients, per-parameter norms); dropped after the read-back
-        self._norms: list[tuple[list[str], list[torch.Tensor], torch.Tensor]] = []
+        # this step, per device: (parameters, their gradients as checked, per-parameter norms); dropped after the
+        # read-back
+        self._norms: list[tuple[list[torch.nn.Parameter], list[torch.Tensor], torch.Tensor]] = []
 
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter of the model now, each once: a plain walk of the module tree (``named_parameters``
+        builds every name, the larger part of this check's cost on a model of many small layers); names are
+        made only for a step that needs them."""
+        seen: set[int] = set()
+        found: list[torch.nn.Parameter] = []
+        stack = [self.root]
+        while stack:
+            module = stack.pop()
+            for p in module._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    found.append(p)
+            stack.extend(m for m in reversed(module._modules.values()) if m is not None)
+        return found
+
+    @torch.no_grad()
     def values(self) -> list[torch.Tensor]:
         """Per device holding gradients, a 0-d float32 tensor: inf/NaN when a gradient there holds inf/NaN."""
-        by_device: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
-        for name, p in self.root.named_parameters():  # shared ones once
-            grad = p.grad
-            if grad is None or not grad.is_floating_point():
-                continue
-            grad = sharded.local(grad).detach()
+        params = [p for p in self._parameters() if p.grad is not None and p.grad.is_floating_point()]
+        by_device: dict[torch.device, tuple[list[torch.nn.Parameter], list[torch.Tensor]]] = {}
+        for p, grad in zip(params, sharded.locals_of([p.grad for p in params])):  # type: ignore[misc]
             if grad.is_sparse:  # its stored values (float16 ones summed first, as GradScaler does: a sum overflows)
                 grad = (grad.coalesce() if grad.dtype == torch.float16 else grad)._values()
             elif grad.layout != torch.strided:
                 continue  # (CSR and other layouts: not checked)
-            names, grads = by_device.setdefault(grad.device, ([], []))
-            names.append(name)
+            owners, grads = by_device.setdefault(grad.device, ([], []))
+            owners.append(p)
             grads.append(grad)
-        self._norms = [(names, grads, torch.stack(_l1_norms(grads))) for names, grads in by_device.values()]
+        self._norms = [(owners, grads, torch.stack(_l1_norms(grads))) for owners, grads in by_device.values()]
         return [norms.sum() for _, _, norms in self._norms]
 
     def nonfinite(self) -> tuple[tuple[str, ...], int, bool]:
         """After a non-finite value of :meth:`values`: the parameters whose gradient holds inf/NaN (at most
         ``MAX_NAMED``, in the model's order), how many there are, and whether they hold NaN and no inf."""
-        found: list[str] = []
+        bad: set[int] = set()
         any_nan = any_inf = False
-        for names, grads, norms in self._norms:
+        for owners, grads, norms in self._norms:
             flagged = [i for i, norm in enumerate(norms.tolist()) if not math.isfinite(norm)]
             if not flagged:
                 continue
@@ -72,10 +87,11 @@ class GradCheck:
             marks = torch.stack([torch.stack([grads[i].isnan().any(), grads[i].isinf().any()]) for i in flagged])
             for i, (nan, inf) in zip(flagged, marks.tolist()):
                 if nan or inf:  # else a finite gradient whose float32 norm overflowed
-                    found.append(names[i])
+                    bad.add(id(owners[i]))
                     any_nan, any_inf = any_nan or bool(nan), any_inf or bool(inf)
         self._norms = []
-        return tuple(found[:MAX_NAMED]), len(found), any_nan and not any_inf
+        names = [name for name, p in self.root.named_parameters() if id(p) in bad]
+        return tuple(names[:MAX_NAMED]), len(names), any_nan and not any_inf
 
     def clear(self) -> None:
         """Forget the step's norms and gradients (nothing kept alive between steps)."""

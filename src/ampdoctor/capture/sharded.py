@@ -88,6 +88,14 @@ def _param_dtype(module: nn.Module) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+def locals_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`local` of each tensor, the DTensor type looked up once (many tensors per step)."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return tensors
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]  # type: ignore[attr-defined]
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a ``DTensor`` (no collective); any other tensor as it is."""
     dtensor = _dtensor_type()
