@@ -135,10 +135,12 @@ def test_backward_zoom_passing_on_a_non_finite_saved_value_makes_nothing(
 ) -> None:
     """Mutations of ``BackwardZoom._creates`` that change which inputs count: ``input_inf`` reading only +inf
     (``f[1]``) or only -inf (``f[2]``), the ``not input_nan`` or ``not input_inf`` test dropped, or infs compared
-    by sign. Each makes an op that only passes on a value the forward saved into the origin."""
+    by sign. Each makes an op that only passes on a value the forward saved into the origin. It is named only
+    as what it is: the node that read a non-finite saved value (``from_saved``), never as the op that made it."""
     zoom = _zoom_backward(saved, grad)
     assert zoom.error is None
-    assert zoom.finding is None, why
+    assert zoom.finding is not None and zoom.finding.from_saved, why
+    assert zoom.finding.node == "MulBackward0"
 
 
 @pytest.mark.parametrize(
@@ -161,6 +163,7 @@ def test_backward_zoom_an_op_makes_a_kind_of_value_none_of_its_inputs_holds(
     assert zoom.error is None and finding is not None
     assert (finding.op, finding.node, finding.direction) == ("aten::mul.Tensor", "MulBackward0", "backward")
     assert (finding.output_nan_count, finding.output_posinf_count, finding.output_neginf_count) == (nan, posinf, 0)
+    assert not finding.from_saved  # made here, not passed on
 
 
 # -- 4. an output inside any folder below an input directory is refused ---------------------------------------

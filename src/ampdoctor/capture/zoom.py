@@ -26,7 +26,7 @@ from .node_calls import NodeCalls
 from .node_calls import available as node_calls_available
 from .stats import measuring
 from .walk import iter_tensors
-from .zoom_flow import DataFlow, Flags, Op, Written
+from .zoom_flow import DataFlow, Flags, Op, Written, nonfinite
 
 # Frames in these folders are the library, not the user's model. Compared as paths (``is_relative_to``), never
 # as string prefixes: ``site-packages/torchvision`` is not inside ``site-packages/torch``.
@@ -150,8 +150,12 @@ class _Zoom(TorchDispatchMode):
         if written is None:
             return
         taint = self._flow.inherited(op, written.inputs)
-        if not taint and not op.explicit_nonfinite and self._creates(written.inputs, written.flags):
-            taint = frozenset({self._flow.add_candidate(self._describe(func, op, written))})
+        if not taint and not op.explicit_nonfinite:
+            if self._creates(written.inputs, written.flags):
+                taint = frozenset({self._flow.add_candidate(self._describe(func, op, written))})
+            elif self._passes_outside_value(written):
+                finding = dataclasses.replace(self._describe(func, op, written), from_saved=True)
+                taint = frozenset({self._flow.add_candidate(finding)})
         self._flow.settle(written, taint)
 
     def _describe(self, func: Any, op: Op, written: Written) -> OpFinding:
@@ -178,6 +182,11 @@ class _Zoom(TorchDispatchMode):
 
     def _where(self) -> tuple[Optional[str], Optional[SourceLocation]]:
         return None, user_location()
+
+    def _passes_outside_value(self, written: Written) -> bool:
+        """Whether an op that made nothing passed on a non-finite value that no op of the zoom made (the
+        backward's saved forward values); such a candidate is named only when no op made one."""
+        return False
 
     # -- the end of the call ----------------------------------------------------------------------------------
     def finish(self, output: Any) -> None:
@@ -233,8 +242,9 @@ class _Zoom(TorchDispatchMode):
         candidates = self._flow.candidates
         if not reaching:
             return  # the bad output holds no candidate's values (an explicit inf constant, a -inf mask)
-        discarded = tuple(c.finding for c in candidates if c.index not in reached)
-        self.finding = dataclasses.replace(candidates[min(reaching)].finding, discarded=discarded)
+        made = [i for i in reaching if not candidates[i].finding.from_saved]  # an op that made it comes first
+        discarded = tuple(c.finding for c in candidates if c.index not in reached and not c.finding.from_saved)
+        self.finding = dataclasses.replace(candidates[min(made or reaching)].finding, discarded=discarded)
 
 
 class OpZoom(_Zoom):
@@ -308,6 +318,11 @@ class BackwardZoom(_Zoom):
     def _where(self) -> tuple[Optional[str], Optional[SourceLocation]]:
         node = torch._C._current_autograd_node()
         return (node.name() if node is not None else None), forward_location(node)
+
+    def _passes_outside_value(self, written: Written) -> bool:
+        # a non-finite output whose non-finite inputs carry no candidate: they came from outside the backward's
+        # ops (the gradient reaching the model is finite at a backward origin): a value the forward saved
+        return any(nonfinite(f) for f in written.flags) and any(nonfinite(f) for f in written.inputs)
 
 
 def _op_name(func: Any) -> str:

@@ -153,6 +153,9 @@ class OpFinding:
     # discarded (torch.where, nan_to_num, masked_fill, turned into integers) or never used. A note, never the
     # origin: fixing one of them leaves the output as it is.
     discarded: tuple[OpFinding, ...] = ()
+    # Backward: no backward op made the value; this node read a non-finite value its forward saved (a NaN the
+    # forward made and threw away, in the untaken branch of a ``torch.where``) and passed it on.
+    from_saved: bool = False
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,15 @@ def describe_bad(stats: TensorStats) -> str:
     return "holds " + "/".join(flags)
 
 
+# A backward op that passed on a non-finite value its forward saved (OpFinding.from_saved).
+FROM_SAVED = (
+    "no backward op made the value: this node read a non-finite value its forward saved and passed it on (a "
+    "NaN/inf the forward made and discarded, as in the untaken branch of torch.where, still gets a gradient: "
+    "0 x NaN = NaN); compute that branch on safe inputs (torch.where(ok, x, 1) inside it) rather than masking its "
+    "result"
+)
+
+
 def describe_op_head(op: OpFinding) -> str:
     inputs = ", ".join(f"{d} |x|max {fmt_num(a)}" for d, a in zip(op.input_dtypes, op.input_abs_max))
     text = f"op {op.op} ({inputs}) -> {op.output_dtype}"
@@ -82,6 +91,8 @@ def describe_origin(origin: Origin, origin_scale: float = 1.0) -> list[str]:
         lines.append("  " + describe_op_head(origin.op))
         if origin.op.location is not None:
             lines.append(f"    {describe_where(origin.op, origin.op.location)}: {origin.op.location.code}")
+    if origin.op is not None and origin.op.from_saved:
+        lines.append(f"  note: {FROM_SAVED}")
     if origin.op is not None and origin.op.discarded:
         lines.append(f"  note: also made and then discarded (not the cause): {discarded_text(origin.op)}")
     if origin.policy_note:

@@ -18,6 +18,7 @@ from ..records import BATCH, LOSS, FormatLimits
 from ..thresholds import HEADROOM_WARN_BITS
 from .document import (
     DIVERGENCE_TITLE,
+    FROM_SAVED,
     alerts,
     describe_bad,
     describe_origin,
@@ -129,6 +130,8 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
             items.append(
                 (where, f"{_code(f'{loc.file}:{loc.line}')} in {_code(loc.function)}<pre>{_e(loc.code)}</pre>")
             )
+    if op is not None and op.from_saved:
+        items.append(("saved value", _e(FROM_SAVED)))
     if op is not None and op.discarded:
         items.append(("made and discarded", _e(f"{discarded_text(op)} (not the cause)")))
     if origin.policy_note:
