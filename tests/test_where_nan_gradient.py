@@ -46,4 +46,12 @@ def test_the_untaken_branch_of_where_is_named_with_what_it_did(branch: str, node
     assert origin.op is not None and origin.op.node == node and origin.op.from_saved is from_saved
     assert origin.op.location is not None and "torch.where(self.g >= 0" in origin.op.location.code
     assert (FROM_SAVED in str(report)) is from_saved
+    rules = [r.rule for r in report.recommendations]
+    assert ("safe_branch" in rules) is from_saved
+    if from_saved:
+        first = report.recommendations[0]
+        assert first.rule == "safe_branch" and first.action == "fix_code" and first.modules == ("1",)
+        assert not first.verified  # advice on the code: no re-run proves it
+        assert "SqrtBackward0 reads a NaN/inf that its forward at test_where_nan_gradient.py:" in first.title
+        compile(first.snippet, "<snippet>", "exec")  # valid Python
     assert (FROM_SAVED.replace("'", "&#x27;") in report.to_html()) is from_saved

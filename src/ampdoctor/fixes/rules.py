@@ -258,6 +258,25 @@ def _fix_loss_backward(ctx: Context) -> Recommendation:
     )
 
 
+def _reads_saved(ctx: Context) -> bool:
+    """The backward origin's node passed on a non-finite value its forward saved (``OpFinding.from_saved``)."""
+    return ctx.bwd is not None and ctx.bwd.op is not None and ctx.bwd.op.from_saved
+
+
+def _safe_branch(ctx: Context) -> Recommendation:
+    assert ctx.bwd is not None and ctx.bwd.op is not None
+    op, loc = ctx.bwd.op, ctx.bwd.op.location
+    at = f" at {loc.file.rsplit('/', 1)[-1]}:{loc.line}" if loc is not None else ""
+    return Recommendation(
+        action="fix_code",
+        modules=() if ctx.bwd.module in (LOSS, BATCH, "") else (ctx.bwd.module,),
+        title=f"{op.node or op.op} reads a NaN/inf that its forward{at} computed and then discarded: a branch "
+        "torch.where did not take (or a value masked away) still gets a gradient, 0 x NaN = NaN, in any precision; "
+        "give that branch safe inputs before the op instead of masking its result",
+        snippet="y = torch.where(ok, x, torch.sqrt(torch.where(ok, 1.0, x - 1)))  # the untaken branch sees a safe 1",
+    )
+
+
 def _backward_fallback(ctx: Context) -> Recommendation:
     assert ctx.bwd is not None
     return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite even at scale 1", ctx.modules)
@@ -432,6 +451,7 @@ RULES: tuple[Rule, ...] = (
          drop_unmet=True),
     Rule("loss_gradient", "backward", _fix_loss_backward, "none", _CODE_COST,
          applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module == LOSS),
+    Rule("safe_branch", "backward", _safe_branch, "none", _CODE_COST, applies=_reads_saved),
     Rule("backward_fallback", "backward", _backward_fallback, "fallback", _FALLBACK_COST,
          applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module != LOSS),
     Rule("backward_bf16", "backward", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16),
