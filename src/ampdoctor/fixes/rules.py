@@ -20,6 +20,7 @@ from ..analysis.scale import margin_scale
 from ..numbers import fmt_scale
 from ..records import BATCH, LOSS, ModuleInfo, Recommendation, RunInfo
 from ..thresholds import UNDERFLOW_VERDICT_SHARE
+from . import rules_backward as rb
 from . import rules_rewrites as rw
 from .context import Context
 from .rules_upcast import (
@@ -258,60 +259,6 @@ def _fix_loss_backward(ctx: Context) -> Recommendation:
     )
 
 
-def _reads_saved(ctx: Context) -> bool:
-    """The backward origin's node passed on a non-finite value its forward saved (``OpFinding.from_saved``)."""
-    return ctx.bwd is not None and ctx.bwd.op is not None and ctx.bwd.op.from_saved
-
-
-def _safe_branch(ctx: Context) -> Recommendation:
-    assert ctx.bwd is not None and ctx.bwd.op is not None
-    op, loc = ctx.bwd.op, ctx.bwd.op.location
-    at = f" at {loc.file.rsplit('/', 1)[-1]}:{loc.line}" if loc is not None else ""
-    return Recommendation(
-        action="fix_code",
-        modules=() if ctx.bwd.module in (LOSS, BATCH, "") else (ctx.bwd.module,),
-        title=f"{op.node or op.op} reads a NaN/inf that its forward{at} computed and then discarded: a branch "
-        "torch.where did not take (or a value masked away) still gets a gradient, 0 x NaN = NaN, in any precision; "
-        "give that branch safe inputs before the op instead of masking its result",
-        snippet="y = torch.where(ok, x, torch.sqrt(torch.where(ok, 1.0, x - 1)))  # the untaken branch sees a safe 1",
-    )
-
-
-# Backward nodes whose derivative is infinite at a point the forward can reach exactly (the NaN is 0 x inf there, in
-# any precision): what keeps the forward's input away from it. Keyed by autograd node name.
-POLE_NODES: dict[str, tuple[str, str]] = {
-    "SqrtBackward0": ("sqrt has an infinite derivative at 0 (a distance between equal points, the norm of a zero "
-                      "vector written as sqrt of a sum of squares)", "torch.sqrt(x.clamp_min(1e-12))"),
-    "RsqrtBackward0": ("rsqrt has an infinite derivative at 0", "torch.rsqrt(x.clamp_min(1e-12))"),
-    "PowBackward0": ("x ** p with 0 < p < 1 has an infinite derivative at 0", "x.clamp_min(1e-12) ** p"),
-    "AcosBackward0": ("acos has an infinite derivative at -1 and 1 (the cosine of equal vectors)",
-                      "torch.acos(x.clamp(-1 + 1e-6, 1 - 1e-6))"),
-    "AsinBackward0": ("asin has an infinite derivative at -1 and 1", "torch.asin(x.clamp(-1 + 1e-6, 1 - 1e-6))"),
-    "LogBackward0": ("log has an infinite derivative at 0", "torch.log(x.clamp_min(1e-12))"),
-    "Atan2Backward0": ("atan2(0, 0) has no derivative", "torch.atan2(y, x + 1e-12)"),
-}
-
-
-def _at_pole(ctx: Context) -> bool:
-    """A NaN made by one of ``POLE_NODES`` in the backward (not a value passed on from the forward)."""
-    op = ctx.bwd.op if ctx.bwd is not None else None
-    return op is not None and not op.from_saved and op.node in POLE_NODES and ctx.findings.verdict == "nan"
-
-
-def _keep_off_pole(ctx: Context) -> Recommendation:
-    assert ctx.bwd is not None and ctx.bwd.op is not None and ctx.bwd.op.node is not None
-    op, loc = ctx.bwd.op, ctx.bwd.op.location
-    why, fix = POLE_NODES[ctx.bwd.op.node]
-    at = f" at {loc.file.rsplit('/', 1)[-1]}:{loc.line}" if loc is not None else ""
-    return Recommendation(
-        action="fix_code",
-        modules=() if ctx.bwd.module in (LOSS, BATCH, "") else (ctx.bwd.module,),
-        title=f"{op.node} made the NaN from finite values: {why}; its input reaches that point exactly (the op "
-        f"created{at}), in any precision: keep it away from there",
-        snippet=f"{fix}  # instead of the unguarded op" + (f" in: {loc.code.strip()}" if loc is not None else ""),
-    )
-
-
 def _backward_fallback(ctx: Context) -> Recommendation:
     assert ctx.bwd is not None
     return origin_fallback(ctx.bwd, ctx.run, "its backward makes the gradient non-finite even at scale 1", ctx.modules)
@@ -486,8 +433,8 @@ RULES: tuple[Rule, ...] = (
          drop_unmet=True),
     Rule("loss_gradient", "backward", _fix_loss_backward, "none", _CODE_COST,
          applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module == LOSS),
-    Rule("safe_branch", "backward", _safe_branch, "none", _CODE_COST, applies=_reads_saved),
-    Rule("keep_off_pole", "backward", _keep_off_pole, "none", _CODE_COST, applies=_at_pole),
+    Rule("safe_branch", "backward", rb.safe_branch, "none", _CODE_COST, applies=rb.reads_saved),
+    Rule("keep_off_pole", "backward", rb.keep_off_pole, "none", _CODE_COST, applies=rb.at_pole),
     Rule("backward_fallback", "backward", _backward_fallback, "fallback", _FALLBACK_COST,
          applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module != LOSS),
     Rule("backward_bf16", "backward", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16),
