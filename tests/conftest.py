@@ -21,3 +21,20 @@ def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
     if not any(word in reason for word in _GPU_WORDS):
         report.outcome = "failed"
         report.longrepr = f"skipped in CI for a reason other than a missing GPU: {reason}"
+
+
+@pytest.fixture(autouse=True)
+def _compiler_stance_put_back():  # type: ignore[no-untyped-def]
+    """Every test leaves torch's compiler stance as it found it (ampdoctor sets "force_eager" while it diagnoses;
+    a stance left behind makes every later compiled call eager)."""
+    import sys
+
+    def stance() -> object:
+        frames = sys.modules.get("torch._dynamo.eval_frame")
+        found = getattr(frames, "_stance", None)
+        return getattr(found, "stance", None)
+
+    before = stance()
+    yield
+    after = stance()
+    assert after in (None, before or "default"), f"compiler stance left at {after!r} (was {before or 'default'!r})"

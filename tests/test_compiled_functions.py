@@ -35,6 +35,11 @@ def model() -> nn.Sequential:
     return nn.Sequential(Block(), nn.Linear(8, 8), Block(), nn.Linear(8, 1))
 
 
+def stance() -> str:
+    """torch's own record of the current stance (a new object each time it is set)."""
+    return str(dynamo.eval_frame._stance.stance)
+
+
 def frames() -> int:
     return int(dynamo.utils.counters["frames"]["total"])
 
@@ -51,7 +56,7 @@ def test_ops_inside_a_compiled_function_are_seen_and_dynamo_traces_nothing_durin
     assert origin is not None and origin.module == "2"  # 5000 x 5000: the second block overflows
     assert origin.op is not None and origin.op.op == "aten::mul.Tensor" and origin.op.scalar_args == (5000.0,)
     assert origin.op.location is not None and origin.op.location.function == "amplify"
-    assert dynamo.eval_frame._stance.stance == "default"  # torch's own record of the stance: put back
+    assert stance() == "default"  # put back
 
 
 def test_the_stance_is_put_back_when_the_model_raises() -> None:
@@ -61,5 +66,26 @@ def test_the_stance_is_put_back_when_the_model_raises() -> None:
 
     with pytest.raises(ampdoctor.AmpDoctorError):
         ampdoctor.diagnose(Raises(), torch.rand(2))
-    stance = dynamo.eval_frame._stance  # torch's own record of the current stance
-    assert stance.stance == "default"
+    assert stance() == "default"
+
+
+def test_diagnoses_that_leave_in_any_order_put_the_stance_back() -> None:
+    """Two diagnoses in two threads share the process's one stance: the first sets it, the last one out puts
+    back what was there, whichever leaves first (before: the second restored the first's "force_eager")."""
+    from ampdoctor.capture.model import _set_compiled_calls_aside
+
+    first = _set_compiled_calls_aside(nn.Linear(1, 1))
+    second = _set_compiled_calls_aside(nn.Linear(1, 1))
+    assert stance() == "force_eager"
+    first()
+    assert stance() == "force_eager"  # the second is still running
+    second()
+    second()  # idempotent
+    assert stance() == "default"
+
+
+def test_a_users_own_stance_is_kept() -> None:
+    with torch.compiler.set_stance("eager_on_recompile"):
+        ampdoctor.diagnose(model(), torch.rand(4, 8))
+        assert stance() == "eager_on_recompile"
+    assert stance() == "default"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import difflib
 import sys
+import threading
 from collections.abc import Iterable, Iterator
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -64,40 +65,68 @@ def find_module(root: nn.Module, name: str) -> nn.Module:
 def eager_calls(root: nn.Module) -> Iterator[None]:
     """Every module of ``root`` runs eagerly inside (a capture's hooks must see every call): the compiled calls
     of ``model.compile()`` are set aside and put back, and functions the forward calls through ``torch.compile``
-    run eagerly too (:func:`_eager_stance`)."""
+    run eagerly too (:func:`_enter_eager_stance`)."""
     put_back = _set_compiled_calls_aside(root)
     try:
-        with _eager_stance():
-            yield
+        yield
     finally:
         put_back()
 
 
-def _eager_stance() -> contextlib.AbstractContextManager[object]:
+# torch's compiler stance is one for the process: diagnoses in several threads share one "force_eager", set by the
+# first to enter and put back (to what it was before) by the last to leave, whatever order they leave in.
+_stance_lock = threading.Lock()
+_stance_users = 0
+_stance_before: Optional[contextlib.AbstractContextManager[object]] = None
+
+
+def _enter_eager_stance() -> Optional[Callable[[], None]]:
     """``torch.compiler.set_stance("force_eager")`` (torch >= 2.6) while dynamo is loaded (``torch.compile``
     loads it; ampdoctor never does for this): a compiled function inside the forward would otherwise trace
     ampdoctor's own hooks and modes, recompiling up to dynamo's limit on every pass, and hide its ops in a fused
-    graph."""
-    if "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    set_stance = getattr(torch.compiler, "set_stance", None)
+    graph. Returns the (idempotent) leave, or None when there is nothing to set."""
+    global _stance_users, _stance_before
+    set_stance = getattr(torch.compiler, "set_stance", None) if "torch._dynamo" in sys.modules else None
     if set_stance is None:
-        return contextlib.nullcontext()
-    stance: contextlib.AbstractContextManager[object] = set_stance("force_eager")
-    return stance
+        return None
+    with _stance_lock:
+        if _stance_users == 0:
+            _stance_before = set_stance("force_eager")  # set now; leaving it puts back the stance before
+        _stance_users += 1
+    left = False
+
+    def leave() -> None:
+        global _stance_users, _stance_before
+        nonlocal left
+        with _stance_lock:
+            if left:
+                return
+            left = True
+            _stance_users -= 1
+            if _stance_users == 0 and _stance_before is not None:
+                _stance_before.__exit__(None, None, None)
+                _stance_before = None
+
+    return leave
 
 
 @uninterrupted
 def _set_compiled_calls_aside(root: nn.Module) -> Callable[[], None]:
     saved = [(m, m.__dict__["_compiled_call_impl"]) for m in root.modules() if "_compiled_call_impl" in m.__dict__]
+    stance: list[Callable[[], None]] = []
 
     @uninterrupted
     def put_back() -> None:  # idempotent, owned by the cleanup owner before anything is set aside
         for m, call in saved:
             m.__dict__["_compiled_call_impl"] = call
+        for leave in stance:
+            leave()
         cleaned(put_back)
 
     on_cleanup(put_back)
+    leave = _enter_eager_stance()
+    if leave is not None:
+        stance.append(leave)
     for m, _ in saved:
         del m.__dict__["_compiled_call_impl"]
     return put_back
