@@ -57,17 +57,21 @@ class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"x": self.x[i], "labels": torch.tensor(1.0)}
 
 
-def test_hf_trainer_bf16_names_the_log_of_zero(tmp_path: Path) -> None:
-    model = LogRegressor()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, bf16=True, per_device_train_batch_size=4, num_train_epochs=1,
-        learning_rate=0.0, report_to=[], save_strategy="no", disable_tqdm=True, logging_strategy="no",
-        dataloader_num_workers=0,
+def train(model: nn.Module, tmp_path: Path, **args: Any) -> Any:
+    """``Trainer.train()`` in bfloat16 on the CPU (lr 0) with the callback; its report."""
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, bf16=True, per_device_train_batch_size=4, learning_rate=0.0,
+        report_to=[], save_strategy="no", disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0, **args,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=Rows())
     callback = hf_callback(trainer, save_bundle=False)
     trainer.train()
-    report: Any = callback.report
+    return callback.report
+
+
+def test_hf_trainer_bf16_names_the_log_of_zero(tmp_path: Path) -> None:
+    model = LogRegressor()
+    report = train(model, tmp_path, num_train_epochs=1)
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
         # (accelerate leaves its own instance forward on the root for mixed precision: only ours must go)
@@ -106,16 +110,7 @@ def test_hf_trainer_bf16_nan_gradients_under_a_finite_loss_fail_at_the_first_ste
     """No GradScaler in bfloat16: the watch checks the gradients itself when the callback closes the step (the
     Trainer's gradient clipping has spread the NaN to every gradient by then); the capture names the root's
     square root, whose backward made ``gate.gain``'s gradient NaN."""
-    model = ZeroGainRegressor()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, bf16=True, per_device_train_batch_size=4, max_steps=2,
-        learning_rate=0.0, report_to=[], save_strategy="no", disable_tqdm=True, logging_strategy="no",
-        dataloader_num_workers=0,
-    )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
-    callback = hf_callback(trainer, save_bundle=False)
-    trainer.train()
-    report: Any = callback.report
+    report = train(ZeroGainRegressor(), tmp_path, max_steps=2)
     first = report.steps[0]
     assert first.forward_finite and not first.grads_finite and first.loss is not None
     assert first.captured and first.run == "persistent"
