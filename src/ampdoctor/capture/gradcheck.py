@@ -63,7 +63,7 @@ class GradCheck:
         """Per device holding gradients, a 0-d float32 tensor: inf/NaN when a gradient there holds inf/NaN."""
         params = [p for p in self._parameters() if p.grad is not None and p.grad.is_floating_point()]
         by_device: dict[torch.device, tuple[list[torch.nn.Parameter], list[torch.Tensor]]] = {}
-        for p, grad in zip(params, sharded.locals_of([p.grad for p in params])):  # type: ignore[misc]
+        for p, grad in zip(params, sharded.locals_of([p.grad for p in params if p.grad is not None])):
             if grad.is_sparse:  # its stored values (float16 ones summed first, as GradScaler does: a sum overflows)
                 grad = (grad.coalesce() if grad.dtype == torch.float16 else grad)._values()
             elif grad.layout != torch.strided:
