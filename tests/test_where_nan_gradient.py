@@ -55,3 +55,20 @@ def test_the_untaken_branch_of_where_is_named_with_what_it_did(branch: str, node
         assert "SqrtBackward0 reads a NaN/inf that its forward at test_where_nan_gradient.py:" in first.title
         compile(first.snippet, "<snippet>", "exec")  # valid Python
     assert (FROM_SAVED.replace("'", "&#x27;") in report.to_html()) is from_saved
+
+
+def test_the_trap_in_the_loss_is_named_there_and_not_called_a_loss_too_large_for_the_dtype() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+    def loss_fn(out: torch.Tensor, _: object) -> torch.Tensor:
+        o = out.float()
+        return torch.where(o > 1e9, torch.sqrt(-o.abs() - 1), o).sum()
+
+    report = ampdoctor.diagnose(model, torch.rand(2, 4), loss_fn=loss_fn, dtype=torch.bfloat16)
+    origin = report.backward_origin
+    assert origin is not None and origin.label == "<loss>"
+    assert origin.op is not None and origin.op.node == "SqrtBackward0" and origin.op.from_saved
+    assert [r.rule for r in report.recommendations][:1] == ["safe_branch"]
+    assert "loss_gradient" not in [r.rule for r in report.recommendations]  # "reduce it": not the cause
+    assert report.recommendations[0].modules == ()  # the loss, not a module

@@ -431,10 +431,10 @@ RULES: tuple[Rule, ...] = (
     Rule("scale_bf16", "scale", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16 and _harmful_scale(ctx)),
     Rule("bce_with_logits", "backward", rw.bce_with_logits, "rewrite", rw.BCE_COST, rw.bce_applies, "bce_logits",
          drop_unmet=True),
-    Rule("loss_gradient", "backward", _fix_loss_backward, "none", _CODE_COST,
-         applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module == LOSS),
     Rule("safe_branch", "backward", rb.safe_branch, "none", _CODE_COST, applies=rb.reads_saved),
     Rule("keep_off_pole", "backward", rb.keep_off_pole, "none", _CODE_COST, applies=rb.at_pole),
+    Rule("loss_gradient", "backward", _fix_loss_backward, "none", _CODE_COST,  # (a loss too large for the dtype)
+         applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module == LOSS and not rb.any_applies(ctx)),
     Rule("backward_fallback", "backward", _backward_fallback, "fallback", _FALLBACK_COST,
          applies=lambda ctx: ctx.bwd is not None and ctx.bwd.module != LOSS),
     Rule("backward_bf16", "backward", _bf16, "bf16", _BF16_COST, applies=lambda ctx: ctx.float16),

@@ -73,3 +73,8 @@ def keep_off_pole(ctx: Context) -> Recommendation:
         f"created{at}), in any precision: keep it away from there",
         snippet=f"{fix}  # instead of the unguarded op" + (f" in: {loc.code.strip()}" if loc is not None else ""),
     )
+
+
+def any_applies(ctx: Context) -> bool:
+    """One of these code fixes names the cause (then the loss's gradient is no overflow of the output dtype)."""
+    return reads_saved(ctx) or at_pole(ctx)
