@@ -119,7 +119,9 @@ def train_steps(
             scaler.scale(loss.float()).backward()
             before = scaler.get_scale()
             if not scaler.is_enabled():  # nothing skips non-finite gradients: the optimizer would apply them
-                bad_grads.append(not all(math.isfinite(v.item()) for v in GradCheck(model).values()))
+                check = GradCheck(model)
+                flagged = not all(math.isfinite(v.item()) for v in check.values())
+                bad_grads.append(flagged and check.nonfinite()[1] > 0)  # (not a finite norm that overflowed)
             scaler.step(opt)
             scaler.update()
             losses.append(float(loss.detach().float()))
