@@ -70,7 +70,8 @@ def keep_off_pole(ctx: Context) -> Recommendation:
         action="fix_code",
         modules=modules,
         title=f"{op.node} made the NaN from finite values: {why}; its input reaches that point exactly (the op "
-        f"created{at}), in any precision: keep it away from there",
+        f"created{at}): keep it away from there (where it is 0 only because a small value underflowed in low "
+        "precision, a float32 fallback below fixes it too)",
         snippet=f"{fix}  # instead of the unguarded op" + (f" in: {loc.code.strip()}" if loc is not None else ""),
     )
 
