@@ -197,7 +197,7 @@ def hooks_floor_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any],
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g: None)
 
-    forwards = PassForwards(lambda m, a, k: None, post)
+    forwards = PassForwards(lambda m, a, k: None, post, lambda m, a, k: None)
     try:
         for module in model.modules():
             if wrappers:
