@@ -126,6 +126,33 @@ def test_the_message_names_the_module_a_raise_came_from_after_a_caught_one() -> 
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+class ReturnsNothing(nn.Module):
+    """A side-effect module (it logs, it collects): its forward returns None, and raises nothing."""
+
+    def forward(self, x: torch.Tensor) -> None:
+        return None
+
+
+class RaisesAfterANoneChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = ReturnsNothing()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.quiet(x)
+        raise ValueError("shapes do not match")
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_child_that_returned_none_is_not_where_the_raise_came_from(hooked: bool) -> None:
+    model = RaisesAfterANoneChild()
+    if hooked:  # a hook of its own: the survey hooks it (always_call) instead of wrapping its forward
+        model.quiet.register_forward_hook(lambda m, a, out: None)
+    with pytest.raises(ampdoctor.ModelRaised) as caught:
+        ampdoctor.diagnose(model, torch.randn(8, W), device_type="cpu", progress=False, dtype=torch.float16)
+    assert "(last module that ran: 'quiet', inside '<root>')" in str(caught.value)
+
+
 class OldStyleRegistration(NoKernel):
     """Its own ``register_forward_hook`` with torch 2.0's keywords (no ``always_call``): still diagnosed, without
     seeing where its forward raised (its post-hook is not called then)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -389,7 +390,7 @@ class Recorder:
                 if requires_grad and self.record_grads and t.is_floating_point():
                     self._grad_hook(t, "output", index, path)
             call.end_order = next(self._ends)
-            if output is None:  # raised (or returned nothing)
+            if output is None and sys.exc_info()[1] is not None:  # raised (not a forward that returned None)
                 self._note_unwound(index)
         except Exception as exc:
             self.error = self.error or exc
