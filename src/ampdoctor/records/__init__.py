@@ -328,6 +328,16 @@ class StepRecord(NanEq):
     # step of each run of bad steps: how fast weights grow before a divergence.
     weight_norm: FrozenMap[str, float] = field(default_factory=FrozenMap)
 
+    @property
+    def unguarded(self) -> bool:
+        """Its gradients held inf/NaN and nothing skipped it (no enabled GradScaler): the optimizer applies them."""
+        return not self.grads_finite and not self.skipped
+
+    @property
+    def checked_params(self) -> tuple[str, ...]:
+        """The parameters the step's own gradient check named (without an enabled scaler); else none."""
+        return () if self.grads_finite else self.nonfinite_params
+
 
 PassStatus = Literal["ran", "failed", "skipped"]
 

@@ -332,7 +332,7 @@ def steps_section(report: ReportData) -> str:
         return ""
     skipped = sum(1 for st in steps if st.skipped)
     scales = f"{fmt_num(steps[0].scale)} → {fmt_num(steps[-1].scale)}"
-    unguarded = sum(1 for st in steps if not st.grads_finite and not st.skipped)
+    unguarded = sum(1 for st in steps if st.unguarded)
     applied = f", {unguarded} with non-finite gradients that no GradScaler skipped" if unguarded else ""
     summary = f"Training steps: {len(steps)} ({skipped} skipped{applied}; scale {scales})"
     is_open = " open" if skipped or unguarded or not all(st.forward_finite for st in steps) else ""

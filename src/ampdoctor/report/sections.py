@@ -277,7 +277,7 @@ def _steps(report: ReportData, max_rows: int) -> list[Block]:
     if not steps:
         return []
     skipped = [s for s in steps if s.skipped]
-    unguarded = [s for s in steps if not s.grads_finite and not s.skipped]  # no GradScaler skipped them
+    unguarded = [s for s in steps if s.unguarded]
     listed = [s for s in steps if s.skipped or not s.grads_finite]
     scales = [steps[0].scale] + [s.scale for a, s in zip(steps, steps[1:]) if s.scale != a.scale]
     history = " -> ".join(fmt_num(v) for v in scales[:12]) + (" ..." if len(scales) > 12 else "")

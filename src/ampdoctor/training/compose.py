@@ -130,10 +130,9 @@ def explained_later(steps: Sequence[StepRecord], runs: Sequence[Run]) -> list[St
         run = next((r for r in runs if r.start <= s.step and (r.end is None or s.step <= r.end)), None)
         source = captured.get(run.capture_step) if run is not None and run.capture_step is not None else None
         if source is not None and is_bad(s) and not s.captured and s.explained_by is None and s.step < source.step:
-            own = s.nonfinite_params if not s.grads_finite else ()  # the step's own gradient check named them
             s = dataclasses.replace(
                 s, forward_origin=source.forward_origin, backward_origin=source.backward_origin,
-                nonfinite_params=own or source.nonfinite_params, explained_by=source.step,
+                nonfinite_params=s.checked_params or source.nonfinite_params, explained_by=source.step,
             )
         out.append(s)
     return out
@@ -227,7 +226,7 @@ def _near_limit(steps: list[StepRecord], dtype: torch.dtype) -> tuple[NearLimit,
 def _summary(own: RankPayload, steps: list[StepRecord], runs: list[Run]) -> list[str]:
     own_steps = [s for s in steps if s.rank == own.rank]
     skipped = sum(1 for s in own_steps if s.skipped)
-    unguarded = sum(1 for s in own_steps if not s.grads_finite and not s.skipped)
+    unguarded = sum(1 for s in own_steps if s.unguarded)
     merged = merged_runs(runs)
     count = {status: sum(1 for r in merged if r.status == status) for status in (HARMLESS, PERSISTENT, OPEN)}
     every = own.stats_every

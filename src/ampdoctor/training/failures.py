@@ -163,10 +163,10 @@ class FailureTracker:
         explained = next((c for c in reversed(self.captures) if c.step == run.capture_step), None)
         if explained is None:
             return record
-        own = record.nonfinite_params if not record.grads_finite else ()  # its own gradient check named them
         found = with_capture(record, explained.report, None)
-        return dataclasses.replace(
-            found, captured=False, explained_by=explained.step, nonfinite_params=own or found.nonfinite_params
+        return dataclasses.replace(  # a step's own gradient check names its own parameters best
+            found, captured=False, explained_by=explained.step,
+            nonfinite_params=record.checked_params or found.nonfinite_params,
         )
 
     def _write_bundle(

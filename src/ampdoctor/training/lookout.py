@@ -75,7 +75,7 @@ class Lookout:
     def after_step(
         self, step: int, sampled: bool, pairs: list[Pair], low: Optional[torch.dtype], scale: Optional[float],
         skipped: bool, underflow: Optional[float], out_max: Optional[Mapping[str, float]] = None,
-        track: bool = True, grads_finite: bool = True,
+        track: bool = True, unguarded: bool = False,
     ) -> Optional[list[str]]:
         """Fold one step in (``out_max``: the step record's output maxima, when it has them: :func:`maxima` of its
         module pairs; read, never changed). Returns the new tracked-module list on a sampled step (else None;
@@ -93,7 +93,7 @@ class Lookout:
         if f.trending() and step >= self.dense_until:
             self.dense_until = step + DENSE_STEPS_ON_TREND
         self.skipped += int(skipped)
-        self.unguarded += int(not grads_finite and not skipped)
+        self.unguarded += int(unguarded)
         if self.sink is not None:
             self._log(step, scale, underflow, forecast)
         if sampled and track:

@@ -368,12 +368,11 @@ def with_capture(record: StepRecord, report: Report, local: Optional[bool]) -> S
     params = sorted(name for name, stats in report.trace.param_grads().items() if not stats.is_finite)
     # the capture's own backward names them before any clipping spread the NaN; one that did not reproduce it
     # leaves the names of the step's gradient check (bfloat16, no GradScaler)
-    kept = record.nonfinite_params if not record.grads_finite else ()
     return dataclasses.replace(
         record,
         forward_origin=fwd.label if fwd else None,
         backward_origin=bwd.label if bwd else None,
-        nonfinite_params=tuple(params) or kept,
+        nonfinite_params=tuple(params) or record.checked_params,
         captured=True,
         capture_verdict=report.verdict,
         local_nonfinite=record.local_nonfinite or bool(local),

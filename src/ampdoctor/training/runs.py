@@ -94,7 +94,7 @@ def persistent_reason(step: StepRecord) -> str:
     """Why this bad step makes its run persistent, or ``""`` when it does not."""
     if not step.forward_finite:
         return "the forward was non-finite (loss or model output)"
-    if not step.grads_finite and not step.skipped:
+    if step.unguarded:
         first = f" ({', '.join(step.nonfinite_params[:3])}{' ...' if len(step.nonfinite_params) > 3 else ''})"
         return (
             f"parameter gradients were non-finite{first if step.nonfinite_params else ''} with no GradScaler to "

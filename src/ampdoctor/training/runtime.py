@@ -378,7 +378,7 @@ class Watch:
         underflow = cur.collector.underflow_share(cur.numbers) if sampled else None
         tracked = self._lookout.after_step(
             record.step, sampled, cur.pairs, self.low, record.new_scale, record.skipped, underflow,
-            cur.out_max if record.sampled else None, track=self.stats_every != 1, grads_finite=record.grads_finite,
+            cur.out_max if record.sampled else None, track=self.stats_every != 1, unguarded=record.unguarded,
         )
         self.hooks.looked(tracked, self._lookout.seen, self._failures.captures)
 
