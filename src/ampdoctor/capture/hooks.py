@@ -8,7 +8,6 @@ raise inside the user's forward or backward: they record the failure, and the pa
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import sys
 import weakref
@@ -20,6 +19,7 @@ from torch import nn
 from ..records import GradKind
 from .call_wrappers import PassForwards, wrappers_fit
 from .cleanup import uninterrupted
+from .grad_hooks import OutputGradHook, ParamGradHook
 from .internal import _internal
 from .node_calls import NodeCalls
 from .reference import FloatReference
@@ -173,7 +173,7 @@ class Recorder:
             hung = self._hung
             for name, param in params:
                 if param.requires_grad:
-                    hook = functools.partial(self._param_grad, name)
+                    hook = ParamGradHook(self, name)
                     entry = hang_tensor_hook(param, hook)
                     if entry is None:
                         self._handles.append(param.register_hook(hook))
@@ -421,7 +421,7 @@ class Recorder:
     def _grad_hook(self, t: torch.Tensor, kind: GradKind, index: int, path: str) -> None:
         base = t._base
         via_base = base is not None and base.requires_grad
-        receive = functools.partial(self._receive, kind, index, path, via_base)
+        receive = OutputGradHook(self, kind, index, path, via_base)
         if base is None:
             entry = hang_tensor_hook(t, receive)
             if entry is not None:
