@@ -54,6 +54,8 @@ def test_the_untaken_branch_of_where_is_named_with_what_it_did(branch: str, node
         assert not first.verified  # advice on the code: no re-run proves it
         assert "SqrtBackward0 reads a NaN/inf that its forward at test_where_nan_gradient.py:" in first.title
         compile(first.snippet, "<snippet>", "exec")  # valid Python
+        # the origin's note says what the node did; the advice is the recommendation's alone (it was in both)
+        assert str(report).count("safe inputs") == 1 and "safe inputs" in first.title
     assert (FROM_SAVED.replace("'", "&#x27;") in report.to_html()) is from_saved
 
 

@@ -38,8 +38,7 @@ def describe_bad(stats: TensorStats) -> str:
 FROM_SAVED = (
     "no backward op made the value: this node read a non-finite value its forward saved and passed it on (a "
     "NaN/inf the forward made and discarded, as in the untaken branch of torch.where, still gets a gradient: "
-    "0 x NaN = NaN); compute that branch on safe inputs (torch.where(ok, x, 1) inside it) rather than masking its "
-    "result"
+    "0 x NaN = NaN): the cause is in the forward line above, not in this node"
 )
 
 
