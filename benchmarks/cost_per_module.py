@@ -7,7 +7,10 @@
   and with forward hooks instead of the wrappers;
 * **watch** on the 50- and 200-layer narrow MLPs (``Linear(64, 64)`` + ``ReLU``, batch 64, AdamW): statistics every
   step and defaults, against the same loop without it (``watch_overhead.measure``: interleaved blocks, process CPU
-  time, best block);
+  time; the gate reads the median of the per-round ratios, the best-block ratio is printed beside it), with how
+  many measured steps the default watch sampled (a drift the forecast sees makes it sample densely), and, for
+  reference, ``watch_overhead.BareHooks`` interleaved with them: one Python hook per module doing one ``aminmax``
+  per output and per output gradient, nothing recorded (the floor of any watch built on per-module hooks);
 * **healthy encoder**: ``diagnose`` of ``overhead.py``'s BERT-style classifier in plain steps (the default passes,
   hidden-overflow detection included when the survey has it);
 * **first call**: the first ``diagnose`` in a fresh process against the second, on a small model (wall clock:
@@ -259,7 +262,8 @@ def measure_watch(layers: int, rounds: int, steps: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     case = watch_overhead.narrow_mlp(layers)
-    return watch_overhead.measure(case, rounds, steps, warmup=3, amp=True)  # type: ignore[no-any-return]
+    # with the bare-hooks floor interleaved: what any watch with a Python hook per module costs on this model
+    return watch_overhead.measure(case, rounds, steps, warmup=3, amp=True, floor=True)  # type: ignore[no-any-return]
 
 
 def _watch_ratio(w: dict[str, Any], mode: str) -> str:
@@ -413,11 +417,18 @@ def report(results: dict[str, Any]) -> None:
         if w:
             best = w["best_s"]
             print(f"| watch, {layers}-layer narrow MLP, statistics every step (plain {best['plain'] * 1e3:.1f} ms, "
-                  f"{(best['watch_every'] - best['plain']) * 1e6 / (2 * layers + 1):.0f} µs per module) | "
-                  f"{_watch_ratio(w, 'watch_every')} | ≤ {GATES['watch_every']} | "
+                  f"{(best['watch_every'] - best['plain']) * 1e6 / (2 * layers + 1):.0f} µs per module; "
+                  f"best block {w['ratio_best']['watch_every']:.3f}×) | {_watch_ratio(w, 'watch_every')} | "
+                  f"≤ {GATES['watch_every']} | "
                   f"{_gate(w['ratio']['watch_every'], GATES['watch_every'])} |")
-            print(f"| watch, {layers}-layer narrow MLP, defaults | {_watch_ratio(w, 'watch')} | ≤ {GATES['watch']} | "
+            sampled = w.get("sampled_in_measurement", {}).get("watch")
+            print(f"| watch, {layers}-layer narrow MLP, defaults ({sampled} of the measured steps sampled; best block "
+                  f"{w['ratio_best']['watch']:.3f}×) | {_watch_ratio(w, 'watch')} | ≤ {GATES['watch']} | "
                   f"{_gate(w['ratio']['watch'], GATES['watch'])} |")
+            if "floor" in w["ratio"]:
+                print(f"| watch, {layers}-layer narrow MLP: bare hooks, one aminmax per output and per output "
+                      f"gradient, nothing recorded (the floor of a Python hook per module; no goal; best block "
+                      f"{w['ratio_best']['floor']:.3f}×) | {_watch_ratio(w, 'floor')} | | |")
     e = results.get("encoder")
     if e:
         print(f"| healthy encoder: diagnose, plain steps (plain {e['plain_s']:.2f} s; {e['verdict']}; passes "

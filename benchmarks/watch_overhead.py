@@ -221,6 +221,9 @@ def measure(case: Case, rounds: int, steps: int, warmup: int, amp: bool, floor: 
         run_block(case, doctors[mode], scaler, opt, warmup, amp)
     times: dict[str, list[float]] = {m: [] for m in modes}
     skipped = 0
+    # the first measured step of each watch (its step count goes on from the warm-up)
+    first_measured = {m: d.steps[-1].step + 1 if d.steps else 0
+                      for m, d in doctors.items() if isinstance(d, ampdoctor.Watch)}
     for r in range(rounds):
         order = modes[r % len(modes) :] + modes[: r % len(modes)]
         for mode in order:
@@ -237,6 +240,10 @@ def measure(case: Case, rounds: int, steps: int, warmup: int, amp: bool, floor: 
         "model": case.name, "best_s": best, "ratio": ratios, "ratio_iqr": spread,
         "ratio_range": {m: (v[0], v[-1]) for m, v in per_round.items()},
         "ratio_best": {m: best[m] / best["plain"] for m in modes}, "skipped_in_measurement": skipped,
+        # per watch: the measured steps that took per-module statistics (every ``stats_every`` steps, and the dense
+        # window after a trend the forecast saw: a model whose activations drift is sampled more)
+        "sampled_in_measurement": {m: sum(1 for r in doctors[m].steps if r.sampled and r.step >= first)
+                                   for m, first in first_measured.items()},
     }
 
 
