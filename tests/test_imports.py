@@ -15,7 +15,8 @@ PACKAGE = Path(ampdoctor.__file__).parent
 
 # The stage of each file (by its first path part under the package), and the stages each one may import.
 # capture and analysis are independent: capture measures a live model, analysis reads records.
-FOUNDATION = {"errors", "_version", "_optional", "thresholds", "records", "serial", "autocast_ops", "numbers"}
+FOUNDATION = {"errors", "_version", "_optional", "thresholds", "records", "serial", "autocast_ops", "numbers",
+              "atomic"}
 STAGE_MAY_IMPORT: dict[str, set[str]] = {
     "foundation": set(),
     "capture": {"foundation"},

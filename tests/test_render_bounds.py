@@ -62,3 +62,35 @@ def test_json_keeps_every_row(report: ampdoctor.Report) -> None:
     again = ampdoctor.Report.from_json(report.to_json())
     assert len(again.trace.calls) == TIGHT + 2
     assert sorted(c.outputs[0].stats.max for c in again.trace.calls if c.class_name == "Tight")[:2] == [5000.0, 5100.0]
+
+
+class Hide(nn.Module):
+    """Overflows in float16 and clamps it away: a hidden overflow each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * 1e5).clamp(-1, 1)
+
+
+def test_the_hidden_overflow_table_says_how_many_rows_it_left_out() -> None:
+    """It showed 20 of 25 with no word of the other 5 (every other bounded table says so)."""
+    torch.manual_seed(0)
+    report = ampdoctor.diagnose(nn.Sequential(*(Hide() for _ in range(25))), torch.randn(4, 8), verify=False)
+    assert len(report.findings.hidden) == 25
+    said = "… 5 more rows left out (the 20 most relevant are shown)"
+    assert said in report.to_text().split("Hidden overflows")[1]
+    assert md_escape(said) in report.to_markdown().split("Hidden overflows")[1]
+    assert said in report.to_html().split("Hidden overflows")[1]
+    assert "… 15 more rows left out (the 10 most relevant" in report.to_text(max_rows=10)
+
+
+@pytest.mark.parametrize("max_rows", [0, -1, 2.5, True, "5"])
+def test_max_rows_must_be_a_whole_number_of_rows(report: ampdoctor.Report, max_rows: object) -> None:
+    """-1 dropped the last row and said "the 5 most relevant are shown"; 2.5 raised a bare TypeError."""
+    with pytest.raises(ampdoctor.AmpDoctorError, match=f"max_rows={max_rows!r}: give a whole number"):
+        report.to_text(max_rows=max_rows)  # type: ignore[arg-type]
+    with pytest.raises(ampdoctor.AmpDoctorError, match="max_rows"):
+        report.to_markdown(max_rows=max_rows)  # type: ignore[arg-type]

@@ -35,8 +35,19 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
+_NON_FINITE = ("nan", "inf", "-inf")  # how to_plain writes the floats strict JSON has not
+
+
+def _expect(data: Any, kind: Union[type, tuple[type, ...]], what: str) -> None:
+    # A saved report is a file like any other: a value of the wrong type is refused here, not carried into a
+    # renderer (an "integer" holding markup ends up in the HTML) or into an AttributeError far from the cause.
+    if not isinstance(data, kind) or (kind is not bool and isinstance(data, bool)):
+        raise TypeError(f"expected {what}, found {type(data).__name__} {data!r:.80}")
+
+
 def from_plain(tp: Any, data: Any) -> Any:
-    """Rebuild a value of type ``tp`` from :func:`to_plain` output, guided by the type hints."""
+    """Rebuild a value of type ``tp`` from :func:`to_plain` output, guided by the type hints; a value of another
+    type than the hint raises TypeError (ValueError for a float string or a Literal that is not one)."""
     origin = typing.get_origin(tp)
     if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -44,18 +55,24 @@ def from_plain(tp: Any, data: Any) -> Any:
             return None
         return from_plain(args[0], data)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        _expect(data, dict, f"an object for {tp.__name__}")
         hints = typing.get_type_hints(tp)
         kwargs = {f.name: from_plain(hints[f.name], data[f.name]) for f in dataclasses.fields(tp) if f.name in data}
         return tp(**kwargs)
     if origin is list:
+        _expect(data, list, "a list")
         (item,) = typing.get_args(tp)
         return [from_plain(item, v) for v in data]
     if origin is tuple:
+        _expect(data, list, "a list")
         items = typing.get_args(tp)
         if len(items) == 2 and items[1] is Ellipsis:
             return tuple(from_plain(items[0], v) for v in data)
+        if len(data) != len(items):
+            raise ValueError(f"expected {len(items)} items, found {len(data)}")
         return tuple(from_plain(a, v) for a, v in zip(items, data))
     if origin is dict or origin is FrozenMap:
+        _expect(data, dict, "an object")
         _, value_tp = typing.get_args(tp)
         mapping = {k: from_plain(value_tp, v) for k, v in data.items()}
         return FrozenMap(mapping) if origin is FrozenMap else mapping
@@ -64,8 +81,21 @@ def from_plain(tp: Any, data: Any) -> Any:
             raise ValueError(f"{data!r} is not one of {', '.join(map(repr, typing.get_args(tp)))}")
         return data
     if tp is float:
-        value = float(data)  # float("nan") / float("inf") decode the strings
-        return math.nan if value != value else value
+        if isinstance(data, str):
+            if data not in _NON_FINITE:
+                raise ValueError(f"expected a number, found {data!r:.80}")
+            return math.nan if data == "nan" else float(data)
+        _expect(data, (int, float), "a number")
+        return float(data)
+    if tp is int:
+        # an integral float is kept as it came (a count written as 3.0 still equals 3)
+        if isinstance(data, float) and data.is_integer():
+            return data
+        _expect(data, int, "an integer")
+    elif tp is str:
+        _expect(data, str, "a string")
+    elif tp is bool:
+        _expect(data, bool, "true or false")
     return data
 
 

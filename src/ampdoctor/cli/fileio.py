@@ -1,11 +1,12 @@
 """Writing ampdoctor's output files: atomically, never over an input, with the user's umask.
 
-An output is written to a temporary file in the destination's own folder and moved into place with
-``os.replace``: the destination appears whole or not at all (Ctrl-C included), and gets a new inode, so a file
-hard-linked to it elsewhere keeps its bytes. An output that *is* one of the inputs (the same inode: the same
-path, a hard link, or a symlink to it), or lies inside an input directory, is refused before anything runs. An
-output that is a symlink elsewhere is written through (the link stays a link). ``-`` and ``/dev/stdout`` go to
-standard output, and other non-regular files (``/dev/null``, a pipe) are written directly.
+An output is written by :func:`ampdoctor.atomic.write_text_atomically`: a temporary file in the destination's own
+folder moved into place with ``os.replace``, so the destination appears whole or not at all (Ctrl-C included),
+and gets a new inode, so a file hard-linked to it elsewhere keeps its bytes. An output that *is* one of the
+inputs (the same inode: the same path, a hard link, or a symlink to it), or lies inside an input directory, is
+refused before anything runs. An output that is a symlink elsewhere is written through (the link stays a link).
+``-`` and ``/dev/stdout`` go to standard output, and other non-regular files (``/dev/null``, a pipe) are written
+directly.
 """
 
 from __future__ import annotations
@@ -13,30 +14,14 @@ from __future__ import annotations
 import os
 import stat
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
+from ..atomic import PathLike, write_text_atomically
 from ..errors import InvalidInput
 
-PathLike = Union[str, "os.PathLike[str]"]
 STDOUT_NAMES = ("-", "/dev/stdout")
-_DEFAULT_FILE_MODE = 0o666  # what open(..., "w") asks for before the umask
-
-
-def current_umask() -> int:
-    """The process umask (read from /proc where possible; else set and restored at once)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass  # not Linux, or an old kernel: the portable way below
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _files_of(path: Path) -> Iterator[Path]:
@@ -108,32 +93,7 @@ def write_output(text: str, output: Optional[str], inputs: Iterable[PathLike] = 
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and Python's exit flush stays quiet
         return
     check_output(output, inputs)
-    real = os.path.realpath(output)  # a symlink elsewhere is written through: the link stays a link
     try:
-        existing = os.stat(real)
-    except FileNotFoundError:
-        existing = None
-    try:
-        if existing is not None and not stat.S_ISREG(existing.st_mode):
-            with open(real, "w", encoding="utf-8") as fh:  # /dev/null, a named pipe: nothing to replace
-                fh.write(text)
-            return
-        mode = stat.S_IMODE(existing.st_mode) if existing else _DEFAULT_FILE_MODE & ~current_umask()
-        _replace(real, text, mode)
+        write_text_atomically(output, text)
     except OSError as exc:
         raise InvalidInput(f"cannot write {output}: {exc.strerror or exc}") from exc
-
-
-def _replace(path: str, text: str, mode: int) -> None:
-    folder, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)  # mkstemp makes 0600; the user's umask decides, as for any new file
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

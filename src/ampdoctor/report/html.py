@@ -29,8 +29,9 @@ from .document import (
     verdict_text,
 )
 from .hidden_rows import HIDDEN_HEADERS, hidden_note, hidden_rows, hidden_title
-from .html_parts import _code, _e, _names, _shape, _td
+from .html_parts import _code, _e, _names, _pre, _shape, _td
 from .html_tables import COLLAPSE_MIN_RUN, FULL_TABLE_ROWS, backward_section, forward_section, steps_section
+from .rows import left_out_line
 from .text import render_text
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def _banner(report: ReportData) -> str:
     if not run.backward_checked:
         where += " (forward only: no gradient was checked)"
     if f.divergence is not None:
-        where += f" · divergence from step {f.divergence.began}"
+        where += f" · divergence from step {_e(f.divergence.began)}"
     notices = "".join(f'<div class="ad-alert">{_e(a)}</div>' for a in alerts(report))
     return (
         f'<div class="ad-banner ad-v-{_e(css)}"><span class="ad-verdict">{_e(verdict_text(report))}</span>{where}'
@@ -91,7 +92,7 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
             head += (
                 ' <span class="ad-approx">(approximate: no call matched the origin rule; first non-finite call)</span>'
             )
-        items.append(("module", f"{_code(origin.module or '<root>')} (call {origin.call})"))
+        items.append(("module", f"{_code(origin.module or '<root>')} (call {_e(origin.call)})"))
         items.append(("class", _e(origin.class_name or "-")))
         received = "inputs" if origin.direction == "forward" else "incoming gradient"
         if origin.input_abs_max is not None:
@@ -110,7 +111,7 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
     if op is not None:
         inputs = ", ".join(f"{_e(d)} |x|max {_e(fmt_num(a))}" for d, a in zip(op.input_dtypes, op.input_abs_max))
         made = ", ".join(
-            f"{n} {label}"
+            f"{_e(n)} {label}"
             for n, label in (
                 (op.output_nan_count, "NaN"),
                 (op.output_posinf_count, "+inf"),
@@ -128,7 +129,7 @@ def _origin_card(origin: Origin, limits: FormatLimits, scale: float) -> str:
             loc = op.location
             where = "created in the forward at" if op.direction == "backward" else "source"
             items.append(
-                (where, f"{_code(f'{loc.file}:{loc.line}')} in {_code(loc.function)}<pre>{_e(loc.code)}</pre>")
+                (where, f"{_code(f'{loc.file}:{loc.line}')} in {_code(loc.function)}<pre>{_pre(loc.code)}</pre>")
             )
     if op is not None and op.from_saved:
         items.append(("saved value", _e(FROM_SAVED)))
@@ -166,11 +167,12 @@ def _findings_sections(report: ReportData) -> str:
         )
     if f.hidden:
         head = "".join(f"<th>{_e(h)}</th>" for h in HIDDEN_HEADERS)
-        body = "".join(
-            '<tr class="ad-warn">' + "".join(_td(cell) for cell in row) + "</tr>" for row in hidden_rows(f.hidden)
-        )
+        shown = hidden_rows(f.hidden)
+        body = "".join('<tr class="ad-warn">' + "".join(_td(cell) for cell in row) + "</tr>" for row in shown)
+        more = len(f.hidden) - len(shown)
+        cut = f'<p class="ad-muted">{_e(left_out_line(more, len(shown)))}</p>' if more > 0 else ""
         parts.append(_section(hidden_title(f.hidden), f"<p>{_e(hidden_note(f.hidden))}</p>"
-                              f'<table class="ad-calls"><tr>{head}</tr>{body}</table>'))
+                              f'<table class="ad-calls"><tr>{head}</tr>{body}</table>{cut}'))
     if f.scale is not None:
         s = f.scale
         probes = ", ".join(f"{fmt_num(p.scale)}: {'finite' if p.gradients_finite else 'non-finite'}" for p in s.probes)
@@ -201,7 +203,7 @@ def _findings_sections(report: ReportData) -> str:
         parts.append(
             _section(
                 "Gradient underflow",
-                f"<p>{u.lost} of {u.reference_nonzero} nonzero gradient values ({u.share:.2%}) became zero; "
+                f"<p>{_e(u.lost)} of {_e(u.reference_nonzero)} nonzero gradient values ({u.share:.2%}) became zero; "
                 f"reference: {_e(u.reference)}</p>{table}",
             )
         )
@@ -251,7 +253,7 @@ def _recommendation(rec: Recommendation) -> str:
             f"{cost.fp32_matmul_flop_share:.1%} of Linear/Conv FLOPs in float32"
         ) + (f" ({cost.note})" if cost.note else "")
         extra += f'<div class="ad-cost">cost: {_e(text)}</div>'
-    snippet = f"<pre><code>{_e(rec.snippet)}</code></pre>" if rec.snippet else ""
+    snippet = f"<pre><code>{_pre(rec.snippet)}</code></pre>" if rec.snippet else ""
     return f"<li>{_e(rec.title)}{badge}{extra}{snippet}</li>"
 
 
@@ -302,7 +304,7 @@ def render_html(report: ReportData) -> str:
     return (
         f"<style>{stylesheet()}</style>"
         '<div class="ampdoctor">'
-        f'<pre class="ad-text-fallback">{_e(render_text(report))}</pre>'
+        f'<pre class="ad-text-fallback">{_pre(render_text(report))}</pre>'
         f'<div class="ad-wrap" hidden>{body}</div>'
         "</div>"
     )

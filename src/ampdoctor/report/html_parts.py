@@ -8,6 +8,7 @@ from html import escape
 from ..records import TensorStats
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 from .document import describe_bad
+from .inert import inert
 from .numbers import fmt_num
 
 # Names listed inline (propagation, not captured) before "and N more".
@@ -15,7 +16,16 @@ INLINE_NAMES = 8
 
 
 def _e(value: object) -> str:
-    return escape(str(value), quote=True)
+    """Escaped for HTML text and quoted attributes, on one line: control and invisible-format characters (a
+    bidirectional override that reorders a name, an escape sequence) and a non-UTF-8 file name's undecodable bytes
+    shown as visible escapes (:func:`~.inert.inert`, as the text report shows them; a lone surrogate would also
+    make the page unencodable)."""
+    return escape(inert(str(value)), quote=True)
+
+
+def _pre(text: str) -> str:
+    """:func:`_e` for a block shown with its line breaks (``<pre>``: source lines, snippets, the text report)."""
+    return "\n".join(_e(line) for line in text.split("\n"))
 
 
 def _code(value: object) -> str:

@@ -14,8 +14,9 @@ from .sections import build_document
 if TYPE_CHECKING:
     from .data import ReportData
 
-# CommonMark backslash-escapes ASCII punctuation; these would otherwise start emphasis, links, HTML or tables.
-_SPECIAL = re.compile(r"([\\`*_\[\]<>|#~])")
+# CommonMark backslash-escapes ASCII punctuation; these would otherwise start emphasis, links, HTML, tables or
+# (``&``) an entity reference: ``&rlm;`` in a name would become the invisible character that inert() escapes.
+_SPECIAL = re.compile(r"([\\`*_\[\]<>|#~&])")
 
 
 def md_escape(text: str) -> str:

@@ -6,9 +6,19 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..atomic import write_text_atomically
 from .data import SCHEMA_VERSION, ReportData
 
 __all__ = ["SCHEMA_VERSION", "Report"]
+
+
+def _rows(max_rows: object) -> int:
+    """``max_rows`` checked: a table shows at least one row (a negative one dropped the last row silently)."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        from ..errors import InvalidInput
+
+        raise InvalidInput(f"max_rows={max_rows!r}: give a whole number of table rows, 1 or more (default 20)")
+    return max_rows
 
 
 class Report(ReportData):
@@ -19,13 +29,13 @@ class Report(ReportData):
         """The plain-text report (what ``print(report)`` shows); source paths relative unless ``absolute_paths``."""
         from .text import render_text
 
-        return render_text(self._shown(absolute_paths), max_rows=max_rows)
+        return render_text(self._shown(absolute_paths), max_rows=_rows(max_rows))
 
     def to_markdown(self, max_rows: int = 20, *, absolute_paths: bool = False) -> str:
         """GitHub-flavoured markdown (headings, pipe tables, fenced code) for issues and pull requests."""
         from .markdown import render_markdown
 
-        return render_markdown(self._shown(absolute_paths), max_rows=max_rows)
+        return render_markdown(self._shown(absolute_paths), max_rows=_rows(max_rows))
 
     def to_html(self, *, fragment: bool = False, absolute_paths: bool = False) -> str:
         """A standalone HTML page (what ``--format html`` writes), or with ``fragment`` the ``<div>`` a notebook
@@ -38,7 +48,8 @@ class Report(ReportData):
 
     def save(self, path: Union[str, os.PathLike[str]], *, absolute_paths: bool = False) -> Path:
         """Write the report in the format its suffix names: ``.html``, ``.md``, ``.json`` or ``.txt``. Returns
-        the path. Any other suffix raises :class:`~ampdoctor.errors.InvalidInput` (nothing is written)."""
+        the path. Any other suffix raises :class:`~ampdoctor.errors.InvalidInput` (nothing is written). The file
+        is replaced atomically: whole, or left as it was (:mod:`ampdoctor.atomic`)."""
         target = Path(path)
         writers = {
             ".html": lambda: self.to_html(absolute_paths=absolute_paths),
@@ -56,7 +67,7 @@ class Report(ReportData):
                 "the file .html, .md, .json or .txt"
             )
         text = writer()
-        target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        write_text_atomically(target, text if text.endswith("\n") else text + "\n")  # whole, or as it was
         return target
 
     def __str__(self) -> str:

@@ -83,7 +83,7 @@ def hidden_section(report: ReportData, max_rows: int) -> list[Section]:
     hidden = report.findings.hidden
     if not hidden:
         return []
-    table = make_table(HIDDEN_HEADERS, [list(r) for r in hidden_rows(hidden, max_rows)])
+    table = make_table(HIDDEN_HEADERS, [list(r) for r in hidden_rows(hidden, max_rows)], total=len(hidden))
     return [Section(hidden_title(hidden), (Para(hidden_note(hidden)), table))]
 
 

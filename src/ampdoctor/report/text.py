@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from tabulate import tabulate
@@ -15,6 +16,18 @@ if TYPE_CHECKING:
     from .data import ReportData
 
 __all__ = ["describe_bad", "describe_origin", "fmt_num", "render_text", "text_of"]
+
+# A cell that reads as a number (aligned as tabulate would, without letting it re-read the value).
+_NUMBER = re.compile(r"[-+]?(\d[\d,]*(\.\d*)?|\.\d+)([eE][-+]?\d+)?|[-+]?inf|nan")
+
+
+def _alignment(headers: tuple[str, ...], rows: list[list[str]]) -> tuple[str, ...]:
+    """A column of numbers aligned on the decimal point, any other left (as tabulate aligns them when it reads
+    the cells as numbers itself)."""
+    return tuple(
+        "decimal" if rows and all(not r[i] or _NUMBER.fullmatch(r[i]) for r in rows) else "left"
+        for i in range(len(headers))
+    )
 
 
 def text_of(doc: Document, title: str = "ampdoctor") -> str:
@@ -30,7 +43,9 @@ def text_of(doc: Document, title: str = "ampdoctor") -> str:
                 lines.append("  " * block.indent + f"{inert(block.text)}: {inert(block.code)}")
             elif isinstance(block, Table):
                 rows = [[inert(str(c)) for c in row] for row in block.rows]
-                lines.append(tabulate(rows, headers=[inert(h) for h in block.headers], tablefmt="simple"))
+                # cells are formatted already: tabulate must not re-read them as numbers ("007" -> 7, "18.60" -> 18.6)
+                lines.append(tabulate(rows, headers=[inert(h) for h in block.headers], tablefmt="simple",
+                                      disable_numparse=True, colalign=_alignment(block.headers, rows)))
                 if block.left_out:
                     lines.append("  " + left_out_line(block.left_out, len(block.rows)))
             elif isinstance(block, Item):
