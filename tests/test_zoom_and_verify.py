@@ -44,6 +44,28 @@ def test_zoom_names_a_residual_add_between_two_children() -> None:
     assert not any(r.action == "fp32_fallback" for r in report.recommendations)
 
 
+class NanScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + float("nan")  # a NaN operand, not a value an op made: no op is named
+
+
+def test_root_fix_points_at_the_named_line_only_when_one_is_named() -> None:
+    named = diagnose(Residual(), torch.ones(1, 4), loss_fn=lambda out, _: out.float().mean())
+    fix = next(r for r in named.recommendations if r.action == "fix_code")
+    assert fix.snippet.endswith("# the line named above")
+    torch.manual_seed(0)
+    report = diagnose(NanScalar(), torch.randn(4, 8))
+    origin = report.forward_origin
+    assert origin is not None and origin.module == "" and origin.op is None
+    fix = next(r for r in report.recommendations if r.action == "fix_code")
+    assert "named above" not in fix.snippet  # the report names no line
+    assert "the op in NanScalar.forward that makes the value" in fix.snippet
+
+
 class SquareNorm(nn.Module):
     """A custom energy norm: x * x overflows in float16 for |x| > 256, and inf / inf is NaN."""
 

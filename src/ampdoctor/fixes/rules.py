@@ -150,16 +150,17 @@ def origin_fallback(origin: Origin, run: RunInfo, why: str, modules: tuple[Modul
     """Run the origin module in float32; at the root (which would be the whole model), compute the op in float32."""
     if origin.module == "":
         where = ""
+        line = f"the op in {origin.class_name}.forward that makes the value (no op was named: see the origin)"
         if origin.op is not None and origin.op.location is not None:
             loc = origin.op.location
             where = f" at {loc.file}:{loc.line} ({loc.code})"
+            line = "the line named above"
         return Recommendation(
             action="fix_code",
             modules=(),
             title=f"<root> ({origin.class_name}): {why}{where}; a float32 fallback would cover the whole model, "
             "so compute that op in float32 (or rescale it) instead",
-            snippet=f"with torch.autocast({run.device_type!r}, enabled=False):\n"
-            "    y = op(x.float())  # the line named above",
+            snippet=f"with torch.autocast({run.device_type!r}, enabled=False):\n    y = op(x.float())  # {line}",
         )
     return Recommendation(
         action="fp32_fallback",
