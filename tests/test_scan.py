@@ -97,6 +97,44 @@ def test_non_finite_weights(tmp_path: Path, value: float, verdict: str) -> None:
     assert summary.nan_count + summary.inf_count == 1
 
 
+def _sparse_coo(values: torch.Tensor) -> torch.Tensor:
+    return torch.sparse_coo_tensor(torch.tensor([[0, 3]]), values, (8,))
+
+
+@pytest.mark.parametrize(
+    ("stored", "how"),
+    [
+        (lambda v: _sparse_coo(v), "1 sparse tensor(s) measured through their stored values"),
+        (lambda v: _sparse_coo(v).to_dense().reshape(2, 4).to_sparse_csr(), "1 sparse tensor(s) measured through"),
+        (lambda v: torch.complex(torch.zeros(2), v), "1 complex tensor(s) measured through their real and imaginary"),
+        (lambda v: _sparse_coo(torch.complex(v, v)), "1 sparse tensor(s) measured through their stored values"),
+    ],
+)  # fmt: skip
+def test_nan_stored_in_a_sparse_or_complex_tensor_is_found(tmp_path: Path, stored: Any, how: str) -> None:
+    """They were left unmeasured with no note, and such a checkpoint read HEALTHY (exit 0)."""
+    state = small_model().state_dict()
+    state["extra"] = stored(torch.tensor([1.0, float("nan")]))
+    report = scan(save(state, tmp_path / "odd.pt"))
+    assert report.verdict == "nan" and report.exit_code == 1
+    (finding,) = [f for f in report.errors() if f.kind == "nonfinite"]
+    assert finding.tensors == ("extra",)
+    assert any(how in note for note in report.notes)
+    healthy = small_model().state_dict()
+    healthy["extra"] = stored(torch.tensor([1.0, 2.0]))
+    assert scan(save(healthy, tmp_path / "fine.pt")).verdict == "healthy"
+
+
+def test_quantized_values_are_measured_and_a_meta_tensor_is_noted(tmp_path: Path) -> None:
+    state = small_model().state_dict()
+    state["q"] = torch.quantize_per_tensor(torch.tensor([1.0, 2.0e6]), 1000.0, 0, torch.qint32)  # 2e6 > 65504
+    state["m"] = torch.empty(3, device="meta")
+    report = scan(save(state, tmp_path / "q.pt"))
+    assert report.verdict == "overflow"
+    assert {f.kind for f in report.errors()} == {"beyond_range"}
+    assert any("1 quantized tensor(s) measured through their dequantized float32 values" in n for n in report.notes)
+    assert any("m (float32) not measured: it is on the meta device and holds no values" in n for n in report.notes)
+
+
 def test_beyond_fp16_counts_only_values_that_round_to_inf(tmp_path: Path) -> None:
     # float16: 65504 is the max; 65519 rounds down to 65504; from 65520 (half an ulp above) values round to inf.
     values = torch.tensor([65504.0, 65519.0, 65519.99, 65520.0, -65520.0, 1e6, 1.0])

@@ -77,6 +77,14 @@ class _Pending:
     at_max_group: int = -1  # float8: the collector's value group counting values at the format's max
 
 
+# What a tensor stored in another form is measured through (its values' dtype is what the statistics show).
+CONVERTED = {
+    "sparse": "their stored values",
+    "quantized": "their dequantized float32 values",
+    "complex": "their real and imaginary parts",
+}
+
+
 class _FileScan:
     """Measures every floating tensor in one loaded object; nothing of the object is kept after :meth:`read`."""
 
@@ -96,6 +104,7 @@ class _FileScan:
         self.scalers: list[ScalerInfo] = []
         self.formats: dict[str, StorageFormat] = {}
         self.notes: list[str] = []
+        self.converted: dict[str, int] = {}  # tensors measured through another form (CONVERTED), by kind
         self._containers: dict[int, str] = {}  # id -> name of every list/tuple/dict walked
 
     def visit(self, obj: Any, name: str = "", role: Role = "weights", param: str = "", depth: int = 0) -> None:
@@ -137,22 +146,48 @@ class _FileScan:
         return True
 
     def _add(self, tensor: torch.Tensor, name: str, role: Role, param: str) -> None:
-        torch = self._torch
         stored = dtype_text(tensor.dtype)
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type != "cpu":
-            stats = TensorStats(dtype=stored, shape=tuple(tensor.shape))
-            self.pending.append(_Pending(name, role, "", param, -1, -1, stats))
-            return
         try:
             saved_on = self.locations.get(tensor.untyped_storage().data_ptr(), "")
-        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+        except (RuntimeError, NotImplementedError):  # sparse tensors, subclasses without a plain storage
             saved_on = ""
+        values, how = self._values_of(tensor)
+        if values is None:
+            self.notes.append(f"{self.file}: {name} ({stored}) not measured: {how}")
+            self.pending.append(_Pending(name, role, "", param, -1, -1, TensorStats(stored, tuple(tensor.shape))))
+            return
+        if how:
+            self.converted[how] = self.converted.get(how, 0) + 1
+            tensor, stored = values, dtype_text(values.dtype)  # judged as the dtype its values are in
         if tensor.numel() >= LARGE_TENSOR_NUMEL:
             self.progress.detail(inert(f"{self.file}: {name} ({tensor.numel():,} values)"))
         if not tensor.is_floating_point() or stored in _WIDE_FLOATS:
             self.pending.append(_Pending(name, role, saved_on, param, self.fp16.add(tensor), self.bf16.add(tensor)))
             return
         self._add_narrow(tensor, name, role, param, saved_on)
+
+    def _values_of(self, tensor: torch.Tensor) -> tuple[Optional[torch.Tensor], str]:
+        """The dense real values a scan measures of ``tensor``, and which of ``CONVERTED`` they are ("": the tensor
+        itself); None and why where it holds none to read. A NaN stored in a sparse, quantized or complex tensor
+        is a NaN all the same (they were left unmeasured, with no note, and such a checkpoint read HEALTHY)."""
+        torch = self._torch
+        how = ""
+        try:
+            if tensor.device.type != "cpu":  # a meta tensor: a shape, no values
+                return None, f"it is on the {tensor.device.type} device and holds no values"
+            if tensor.is_quantized:
+                tensor, how = tensor.dequantize(), "quantized"
+            elif tensor.layout == torch.sparse_coo:
+                tensor, how = tensor._values(), "sparse"
+            elif tensor.layout != torch.strided:  # CSR, CSC, BSR, BSC
+                tensor, how = tensor.values(), "sparse"
+            if tensor.is_complex():
+                tensor, how = torch.view_as_real(tensor), how or "complex"
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            return None, first_line(str(exc))
+        if tensor.layout != torch.strided:
+            return None, f"its layout {tensor.layout} has no dense values to read"
+        return tensor, how
 
     def _add_narrow(self, tensor: torch.Tensor, name: str, role: Role, param: str, saved_on: str) -> None:
         """A float8 tensor: measured on an exact float32 copy, plus the count of values at its format's max."""
@@ -221,6 +256,8 @@ class _FileScan:
 
     def read(self) -> list[ScannedTensor]:
         """One read-back per collector for the whole file."""
+        for how, count in self.converted.items():
+            self.notes.append(f"{self.file}: {count} {how} tensor(s) measured through {CONVERTED[how]}")
         stats16, stats_bf16 = self.fp16.read(), self.bf16.read()
         out = []
         for p in self.pending:
