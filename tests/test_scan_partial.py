@@ -151,6 +151,31 @@ def test_a_damaged_shard_without_an_index_makes_the_scan_incomplete(tmp_path: Pa
     assert_incomplete(report, second.name, "a truncated or corrupt PyTorch")
 
 
+@pytest.mark.parametrize("suffix", [".bin", ".safetensors"])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda p: p.write_bytes(b""), "an empty file (0 bytes; the copy failed?)"),
+        (lambda p: p.write_bytes(bytes(range(7, 256)) * 3), "binary data of an unknown kind"),
+    ],
+)
+def test_an_empty_or_unrecognisable_shard_without_an_index_makes_the_scan_incomplete(
+    tmp_path: Path, suffix: str, damage: Any, reason: str
+) -> None:
+    """Both were skipped as "not a checkpoint", and the folder read HEALTHY with half its weights unseen."""
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors")
+    run = sharded(tmp_path, suffix, index=False)
+    second = sorted(run.iterdir())[1]
+    damage(second)
+    report = scan(run)
+    assert report.verdict == "incomplete" and report.exit_code == 2
+    (unread,) = [f for f in report.files if f.unread]
+    assert unread.name == second.name and unread.missed
+    if suffix == ".bin":  # a .safetensors file of unknown bytes is read as safetensors, and fails as one
+        assert reason in unread.skipped
+
+
 def test_an_incomplete_scan_with_an_overflow_keeps_the_verdict_and_exits_2(tmp_path: Path) -> None:
     run = sharded(tmp_path)
     torch.save({"weight": torch.full((2, 2), 1e6)}, run / "pytorch_model-00001-of-00002.bin")

@@ -365,8 +365,17 @@ def load_file(
     if sniffed.kind == "other" and sniffed.description.startswith("a Python pickle"):
         raise _plain_pickle(path, sniffed)
     if sniffed.kind == "other":
-        raise NotACheckpoint(f"{inert(str(path))}: not a checkpoint: {sniffed.description}")
+        message = f"{inert(str(path))}: not a checkpoint: {sniffed.description}"
+        if sniffed.description.startswith(_MAYBE_DAMAGED):
+            # nothing recognisable: a failed copy or a damaged shard as likely as a stray file, so a directory
+            # without an index counts it as weights the scan could not see (INCOMPLETE, never HEALTHY)
+            raise CheckpointError(message)
+        raise NotACheckpoint(message)
     return _load_torch(path, sniffed, allow_globals, unsafe_load, trust)
+
+
+# What sniff says of a file it recognises nothing in: zero bytes, or bytes of no known kind.
+_MAYBE_DAMAGED = ("an empty file", "binary data of an unknown kind")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
