@@ -105,6 +105,21 @@ def test_unsafe_load_does_not_run_a_known_shell_call(tmp_path: Path, capsys: pyt
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("protocol", [0, 1])
+def test_a_text_protocol_pickle_that_runs_code_is_named_malicious(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], protocol: int
+) -> None:
+    """A protocol 0/1 pickle is ASCII: it was called "not a checkpoint: a text file" and its globals never read."""
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "evil.ckpt"
+    path.write_bytes(pickle.dumps(RunsAShellCommand(marker), protocol=protocol))
+    for argv in (["scan", str(path)], ["scan", str(path), "--unsafe-load"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err  # (--unsafe-load warns first)
+        assert "it needs posix.system" in err and "likely malicious" in err and "text file" not in err, err
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("legacy", [False, True])
 def test_every_global_of_a_file_is_named_legacy_format_included(tmp_path: Path, legacy: bool) -> None:
     # torch names only the first refused global of a legacy file; ampdoctor reads them all from the pickle.
@@ -202,6 +217,8 @@ def _zip_without_pickle(path: Path) -> None:
         ("array.pt", lambda p: p.write_bytes(_npy_bytes()), "a NumPy array file (.npy; diagnose takes it as --batch)"),
         ("plain.pt", lambda p: p.write_bytes(pickle.dumps({"a": 1}, protocol=2)),
          "a Python pickle without torch.save's header (not written by torch.save, or damaged)"),
+        ("plain0.pt", lambda p: p.write_bytes(pickle.dumps({"a": [1, 2.5]}, protocol=0)),
+         "a Python pickle without torch.save's header (not written by torch.save, or damaged)"),
         ("noise.pt", lambda p: p.write_bytes(bytes(range(7, 256)) * 3), "binary data of an unknown kind"),
         ("empty.pt", lambda p: p.write_bytes(b""), "an empty file (0 bytes; the copy failed?)"),
         ("model.gz", lambda p: p.write_bytes(b"\x1f\x8b\x08" + bytes(40)),
@@ -274,3 +291,16 @@ def test_a_global_whose_name_is_computed_at_load_is_refused_even_with_unsafe_loa
         err = capsys.readouterr().err
         assert "computed while loading" in err and "likely malicious" in err, err
     assert not marker.exists()
+
+
+def test_an_output_path_that_cannot_exist_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A symlink loop or an over-long name was 'internal error: OSError ... report it'."""
+    path = tmp_path / "w.pt"
+    torch.save(small_model().state_dict(), path)
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    for output, why in ((tmp_path / "loop_a", "Too many levels of symbolic links"),
+                        (tmp_path / ("x" * 300), "File name too long")):
+        assert main(["scan", str(path), "-o", str(output)]) == 2
+        assert error_line(capsys) == f"cannot write {output}: {why}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop_a", "loop_b", "w.pt"]

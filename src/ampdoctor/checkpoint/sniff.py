@@ -138,6 +138,22 @@ def _first_pickle_value(head: bytes) -> Optional[int]:
     return values[0] if len(values) == 1 and isinstance(values[0], int) else None
 
 
+def _text_pickle(head: bytes) -> bool:
+    """``head`` is a whole protocol 0 or 1 pickle (ASCII opcodes, no header: ``cposix\\nsystem\\n...``), which
+    reads as text: it must be named a pickle, so that the globals it names are checked (and code refused)."""
+    if not head or head[0] >= 0x80:
+        return False
+    ops = 0
+    try:
+        for op, _, _ in pickletools.genops(io.BytesIO(head)):
+            ops += 1
+            if op.name == "STOP":
+                return ops > 1
+    except (ValueError, EOFError, UnicodeDecodeError, struct.error, OverflowError):
+        return False
+    return False
+
+
 def _zip_kind(path: Path) -> Sniffed:
     try:
         with zipfile.ZipFile(path) as zf:
@@ -162,7 +178,7 @@ def _describe_other(head: bytes) -> str:
             return what
     if len(head) > 262 and head[257:262] == b"ustar":
         return "a tar archive (extract it first)"
-    if len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5:
+    if (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5) or _text_pickle(head):
         return "a Python pickle without torch.save's header (not written by torch.save, or damaged)"
     try:
         text = head.decode("utf-8")
