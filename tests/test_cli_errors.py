@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -292,3 +293,21 @@ def test_an_internal_error_is_one_line_with_exit_2(
     assert main(["scan", str(ckpt)]) == 2
     err = capsys.readouterr().err
     assert err == "ampdoctor: internal error: TypeError: an ampdoctor bug (rerun with --debug and report it)\n"
+
+
+def test_the_program_ignores_ctrl_c_once_its_output_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C during the interpreter's teardown, after the report was written, made the run die by signal (the
+    shell read 130, "nothing was written") or print a traceback and exit 0."""
+    from ampdoctor.cli import main as cli_main
+
+    monkeypatch.setattr(cli_main, "main", lambda: 1)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli_main.run()
+        assert exited.value.code == 1
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    done = subprocess.run([sys.executable, "-m", "ampdoctor", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("ampdoctor ")

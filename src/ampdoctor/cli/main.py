@@ -8,6 +8,7 @@ traceback and keeps the exit code. One parser function and one command function 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -88,5 +89,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _error(args, exc, line, EXIT_USAGE)
 
 
+def run() -> NoReturn:
+    """The ``ampdoctor`` program: :func:`main`, then exit with its status. Once main has returned, its output is
+    written and its status known; a Ctrl-C during the interpreter's teardown (about a second of torch's) would
+    turn a finished run into a death by signal, or a traceback with status 0, so it is ignored from then on."""
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
