@@ -145,6 +145,7 @@ class Table:
     headers: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
     left_out: int = 0  # rows past the bound (the k most relevant are shown; the JSON has all)
+    shown_as: str = "most relevant"  # which rows a bounded table shows (left_out_line)
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,12 @@ def origin_section(origin: Origin, scale: float) -> Section:
     return Section(lines[0], tuple(blocks), kind="origin")
 
 
-def make_table(headers: tuple[str, ...], rows: list[list[object]], total: int = 0) -> Table:
-    """A table of ``rows``; ``total``: how many rows there were before a cut (the rest are said to be left out)."""
-    return Table(headers, tuple(tuple(str(v) for v in row) for row in rows), max(0, total - len(rows)))
+def make_table(
+    headers: tuple[str, ...], rows: list[list[object]], total: int = 0, shown_as: str = "most relevant"
+) -> Table:
+    """A table of ``rows``; ``total``: how many rows there were before a cut (the rest are said to be left out),
+    ``shown_as``: which ones the rows are."""
+    return Table(headers, tuple(tuple(str(v) for v in row) for row in rows), max(0, total - len(rows)), shown_as)
 
 
 DIVERGENCE_TITLE = "Divergence (not harmless: GradScaler backing off does not stop it)"

@@ -35,6 +35,10 @@ def where_text(h: HiddenOverflow) -> str:
     return f"{os.path.basename(h.location.file)}:{h.location.line}: {h.location.code}"
 
 
+# The hidden-overflow table's rows are the first findings in op order (not ranked).
+HIDDEN_SHOWN = "first in op order"
+
+
 def hidden_rows(hidden: Sequence[HiddenOverflow], max_rows: int = 20) -> list[list[str]]:
     """One row per finding, in op order: call, class, op (with the function the code called), line, count,
     what hid it."""

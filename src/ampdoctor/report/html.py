@@ -28,7 +28,7 @@ from .document import (
     fmt_num,
     verdict_text,
 )
-from .hidden_rows import HIDDEN_HEADERS, hidden_note, hidden_rows, hidden_title
+from .hidden_rows import HIDDEN_HEADERS, HIDDEN_SHOWN, hidden_note, hidden_rows, hidden_title
 from .html_parts import _code, _e, _names, _pre, _shape, _td
 from .html_tables import COLLAPSE_MIN_RUN, FULL_TABLE_ROWS, backward_section, forward_section, steps_section
 from .rows import left_out_line
@@ -170,7 +170,7 @@ def _findings_sections(report: ReportData) -> str:
         shown = hidden_rows(f.hidden)
         body = "".join('<tr class="ad-warn">' + "".join(_td(cell) for cell in row) + "</tr>" for row in shown)
         more = len(f.hidden) - len(shown)
-        cut = f'<p class="ad-muted">{_e(left_out_line(more, len(shown)))}</p>' if more > 0 else ""
+        cut = f'<p class="ad-muted">{_e(left_out_line(more, len(shown), HIDDEN_SHOWN))}</p>' if more > 0 else ""
         parts.append(_section(hidden_title(f.hidden), f"<p>{_e(hidden_note(f.hidden))}</p>"
                               f'<table class="ad-calls"><tr>{head}</tr>{body}</table>{cut}'))
     if f.scale is not None:

@@ -37,7 +37,7 @@ def _table(table: Table) -> list[str]:
 
     lines = [row(table.headers), "|" + "|".join(" --- " for _ in table.headers) + "|", *(row(r) for r in table.rows)]
     if table.left_out:
-        lines += ["", md_escape(left_out_line(table.left_out, len(table.rows)))]
+        lines += ["", md_escape(left_out_line(table.left_out, len(table.rows), table.shown_as))]
     return lines
 
 

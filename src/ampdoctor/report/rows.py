@@ -66,10 +66,10 @@ def _level(bits: Optional[float]) -> Level:
     return "fine"
 
 
-def left_out_line(left_out: int, shown: int) -> str:
-    """The line under a bounded table: how many rows it leaves out, and where they all are."""
+def left_out_line(left_out: int, shown: int, which: str = "most relevant") -> str:
+    """The line under a bounded table: how many rows it leaves out, which it shows, and where they all are."""
     rows = "row" if left_out == 1 else "rows"
-    return (f"… {left_out} more {rows} left out (the {shown} most relevant are shown); the JSON report "
+    return (f"… {left_out} more {rows} left out (the {shown} {which} are shown); the JSON report "
             "(report.to_json()) has every row")
 
 

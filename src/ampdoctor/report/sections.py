@@ -23,7 +23,7 @@ from .document import (
     origin_section,
     verdict_text,
 )
-from .hidden_rows import HIDDEN_HEADERS, hidden_note, hidden_rows, hidden_title
+from .hidden_rows import HIDDEN_HEADERS, HIDDEN_SHOWN, hidden_note, hidden_rows, hidden_title
 from .rows import CallRow, ReportRows, bits_text, op_peak_text
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ def hidden_section(report: ReportData, max_rows: int) -> list[Section]:
     hidden = report.findings.hidden
     if not hidden:
         return []
-    table = make_table(HIDDEN_HEADERS, [list(r) for r in hidden_rows(hidden, max_rows)], total=len(hidden))
+    rows: list[list[object]] = [list(r) for r in hidden_rows(hidden, max_rows)]
+    table = make_table(HIDDEN_HEADERS, rows, total=len(hidden), shown_as=HIDDEN_SHOWN)
     return [Section(hidden_title(hidden), (Para(hidden_note(hidden)), table))]
 
 

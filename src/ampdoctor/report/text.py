@@ -47,7 +47,7 @@ def text_of(doc: Document, title: str = "ampdoctor") -> str:
                 lines.append(tabulate(rows, headers=[inert(h) for h in block.headers], tablefmt="simple",
                                       disable_numparse=True, colalign=_alignment(block.headers, rows)))
                 if block.left_out:
-                    lines.append("  " + left_out_line(block.left_out, len(block.rows)))
+                    lines.append("  " + left_out_line(block.left_out, len(block.rows), block.shown_as))
             elif isinstance(block, Item):
                 lines.append(f"  {block.number}. {inert(block.title)}" + (" [verified]" if block.verified else ""))
                 lines += ["       " + inert(d) for d in block.details]
