@@ -205,11 +205,14 @@ def run_block(
     return elapsed / steps, skipped
 
 
-def measure(case: Case, rounds: int, steps: int, warmup: int, amp: bool, floor: bool = False) -> dict[str, Any]:
-    """``floor``: also time :class:`BareHooks` (mode ``"floor"``), interleaved with the others."""
+def measure(
+    case: Case, rounds: int, steps: int, warmup: int, amp: bool, floor: bool = False, lr: float = 1e-5
+) -> dict[str, Any]:
+    """``floor``: also time :class:`BareHooks` (mode ``"floor"``), interleaved with the others. ``lr``: AdamW's
+    learning rate (0: the same optimizer work on weights that stay put, so activations do not drift)."""
     modes = (*MODES, "floor") if floor else MODES
     scaler = torch.amp.GradScaler("cpu")
-    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(case.model.parameters(), lr=lr)
     doctors: dict[str, Any] = {"plain": None}
     for mode, every in (("watch", 50), ("watch_every", 1)):
         doctors[mode] = ampdoctor.Watch(
