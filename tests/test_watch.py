@@ -176,6 +176,27 @@ def test_bundle_errors_are_clear(tmp_path: Path) -> None:
         load_bundle(tmp_path / "missing.pt")
 
 
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("scale", "abc", "scale is 'abc', not a number"),  # each of these raised ValueError or TypeError raw
+        ("version", "2", "version is '2', not an integer"),
+        ("world_size", 2.5, "world_size is 2.5, not an integer"),
+        ("model_state", None, "model_state is None, not a state dict"),
+        ("records", "{", "its step records: Expecting property name"),
+        ("records", json.dumps({"steps": [{"step": "x"}]}), "its step records: expected an integer, found str 'x'"),
+    ],
+)
+def test_a_malformed_bundle_is_one_clear_error(tmp_path: Path, key: str, value: Any, says: str) -> None:
+    doctor, _ = run_forward_overflow(tmp_path)
+    assert doctor.bundle_path is not None
+    data = load_bundle(doctor.bundle_path)
+    data[key] = value
+    crafted = write_atomic(data, tmp_path, "crafted")
+    with pytest.raises(ampdoctor.AmpDoctorError, match=f"crafted.pt is a malformed ampdoctor failure bundle: {says}"):
+        replay_bundle(crafted, overflow_model)
+
+
 # -- occasional harmless scale overflows -------------------------------------------------------------------
 
 

@@ -150,12 +150,35 @@ def load_bundle(path: PathLike) -> dict[str, Any]:
         raise AmpDoctorError(f"{path} is not an ampdoctor failure bundle ({type(exc).__name__}: {exc})") from exc
     if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT:
         raise AmpDoctorError(f"{path} is not an ampdoctor failure bundle (no format marker {BUNDLE_FORMAT!r})")
-    if int(data.get("version", 0)) > BUNDLE_VERSION:
+    _check_fields(data, path)
+    if data.get("version", 0) > BUNDLE_VERSION:
         raise AmpDoctorError(
             f"{path} is a version {data.get('version')} bundle, newer than this ampdoctor reads ({BUNDLE_VERSION}); "
             "upgrade ampdoctor (pip install -U ampdoctor)"
         )
     return data
+
+
+def _check_fields(data: dict[str, Any], path: PathLike) -> None:
+    """The fields a replay reads, of the types ``write_bundle`` writes: a bundle is a file like any other, and a
+    wrong one is bad input (one line), not an internal error deep inside the replay."""
+    def malformed(key: str, value: Any, what: str) -> AmpDoctorError:
+        return AmpDoctorError(f"{path} is a malformed ampdoctor failure bundle: {key} is {value!r:.60}, not {what}")
+
+    for key in ("version", "step", "rank", "world_size"):
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise malformed(key, value, "an integer")
+    value = data.get("scale")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise malformed("scale", value, "a number")
+    for key, kind, what in (("model_state", Mapping, "a state dict"), ("records", str, "JSON text"),
+                            ("kwargs", Mapping, "a dict of keyword arguments")):
+        value = data.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise malformed(key, value, what)
+    if data.get("model_state") is None:
+        raise malformed("model_state", None, "a state dict")
 
 
 def is_bundle(path: PathLike) -> bool:

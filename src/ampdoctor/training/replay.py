@@ -93,8 +93,7 @@ def _replay(
         scale=max(scale, MIN_REPLAY_SCALE), backward=backward if backward is not None else loss_fn is not None,
     )
     report = dataclasses.replace(report, run=dataclasses.replace(report.run, scale_source=_scale_source(data, scale)))
-    records = json.loads(data.get("records") or "{}")
-    steps = [from_plain(StepRecord, s) for s in records.get("steps", [])]
+    steps = _step_records(data.get("records"), path)
     where = f"step {data.get('step')}" + (f", rank {data.get('rank')}" if int(data.get("world_size", 1)) > 1 else "")
     notes.insert(0, f"replayed failure bundle {os.fspath(path)} ({where}, scale {fmt_scale(scale)})")
     if data.get("inputs_changed"):
@@ -102,6 +101,15 @@ def _replay(
     if loss_fn is None and not backward:
         notes.append("forward only: pass loss_fn (CLI: --loss pkg.mod:fn) to replay the backward too")
     return dataclasses.replace(add_notes(report, notes), steps=tuple(steps))
+
+
+def _step_records(text: Optional[str], path: PathLike) -> list[StepRecord]:
+    """The step records a bundle carries (its ``records`` JSON); a malformed one is bad input, said in one line."""
+    try:
+        records = json.loads(text or "{}")
+        return [from_plain(StepRecord, s) for s in records.get("steps", [])]
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise AmpDoctorError(f"{path} is a malformed ampdoctor failure bundle: its step records: {exc}") from exc
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
