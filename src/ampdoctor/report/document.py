@@ -140,12 +140,16 @@ class Source:
     indent: int = 2
 
 
+# Which rows a bounded table shows, unless it says otherwise (the hidden-overflow table: the first in op order).
+RANKED = "most relevant"
+
+
 @dataclass(frozen=True)
 class Table:
     headers: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
     left_out: int = 0  # rows past the bound (the k most relevant are shown; the JSON has all)
-    shown_as: str = "most relevant"  # which rows a bounded table shows (left_out_line)
+    shown_as: str = RANKED  # which rows a bounded table shows (left_out_line)
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,7 @@ def origin_section(origin: Origin, scale: float) -> Section:
 
 
 def make_table(
-    headers: tuple[str, ...], rows: list[list[object]], total: int = 0, shown_as: str = "most relevant"
+    headers: tuple[str, ...], rows: list[list[object]], total: int = 0, shown_as: str = RANKED
 ) -> Table:
     """A table of ``rows``; ``total``: how many rows there were before a cut (the rest are said to be left out),
     ``shown_as``: which ones the rows are."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 from ..analysis import forward_creators, headroom_bits, is_mask, origin_event
 from ..records import FormatLimits, ModuleCall, OpPeak, TensorRecord, TensorStats
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
+from .document import RANKED
 from .numbers import fmt_num
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def _level(bits: Optional[float]) -> Level:
     return "fine"
 
 
-def left_out_line(left_out: int, shown: int, which: str = "most relevant") -> str:
+def left_out_line(left_out: int, shown: int, which: str = RANKED) -> str:
     """The line under a bounded table: how many rows it leaves out, which it shows, and where they all are."""
     rows = "row" if left_out == 1 else "rows"
     return (f"… {left_out} more {rows} left out (the {shown} {which} are shown); the JSON report "

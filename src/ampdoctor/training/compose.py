@@ -23,7 +23,7 @@ from ..records import ModuleInfo, PassTrace, RunInfo, StepRecord, Verdict
 from ..report import Report
 from ..thresholds import HEADROOM_TIGHT_BITS, HEADROOM_WARN_BITS
 from .divergence import summary as divergence_summary
-from .replay_step import Capture, ScalerKind
+from .replay_step import SCALER_TEXT, Capture, ScalerKind
 from .runs import HARMLESS, OPEN, PERSISTENT, Run, annotate, is_bad, merged_runs, scale_from_runs
 
 # Headroom trend: warn when a layer's output headroom is under HEADROOM_TIGHT_BITS and fell at least this much
@@ -56,13 +56,6 @@ class RankPayload:
     total_steps: int  # steps seen, kept or not
     forecasts: tuple[str, ...] = ()  # the overflow forecasts the watch warned about (:mod:`.lookout`)
     scaler: ScalerKind = "enabled"  # the watched loop's GradScaler (disabled or none: scale 1)
-
-
-_SCALE_SOURCES: dict[ScalerKind, str] = {
-    "enabled": "the watched GradScaler, after the last step",
-    "disabled": "the watched GradScaler, disabled (enabled=False)",
-    "none": "no GradScaler",
-}
 
 
 def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
@@ -109,7 +102,7 @@ def compose_report(payloads: Sequence[RankPayload], me: int = 0) -> Report:
         device_type=own.device_type,
         limits=format_limits(own.dtype),
         scale=scale,
-        scale_source=_SCALE_SOURCES[own.scaler],
+        scale_source=SCALER_TEXT[own.scaler] + (", after the last step" if own.scaler == "enabled" else ""),
         loss_source="scaler.scale(loss)" if own.scaler != "none" else "doctor.see_loss(loss) or the output's loss",
         model_class=own.model_class,
         autocast_note="",

@@ -79,6 +79,11 @@ class StepState:
     micro: deque[MicroBatch] = field(default_factory=deque)
     collector: Collector = field(default_factory=Collector)
     orphan_losses: list[int] = field(default_factory=list)  # losses scaled without a root forward this step
+
+    @property
+    def seen(self) -> bool:
+        """Something of a training step was recorded (a root forward, or a loss scaled without one)."""
+        return bool(self.forwards or self.orphan_losses)
     forwards: int = 0
     dropped_micro: int = 0
     kept_bytes: int = 0  # output gradients kept for a replay

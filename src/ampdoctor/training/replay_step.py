@@ -56,10 +56,12 @@ class Capture:
 
 
 ScalerKind = Literal["enabled", "disabled", "none"]  # the watched loop's GradScaler: on, enabled=False, none
-SCALE_SOURCES: dict[ScalerKind, str] = {
-    "enabled": "the watched GradScaler at step {step}",
-    "disabled": "the watched GradScaler, disabled (enabled=False), step {step}",
-    "none": "no GradScaler, step {step}",
+# Where a report's scale came from, per kind of scaler (a capture adds its step; the watch's report, "after the
+# last step" for an enabled one).
+SCALER_TEXT: dict[ScalerKind, str] = {
+    "enabled": "the watched GradScaler",
+    "disabled": "the watched GradScaler, disabled (enabled=False)",
+    "none": "no GradScaler",
 }
 
 
@@ -146,7 +148,8 @@ def _replay(replayer: StepReplayer, m: MicroBatch, scale: float, step: int, loss
         report = loss_gradient_origin(
             report, bad_grad[0], bad_grad[1], scale, replayer.low, loss_fn_given=replayer.loss_fn is not None
         )
-    scale_source = SCALE_SOURCES[replayer.scaler].format(step=step)
+    at = " at" if replayer.scaler == "enabled" else ","
+    scale_source = f"{SCALER_TEXT[replayer.scaler]}{at} step {step}"
     run = dataclasses.replace(report.run, scale_source=scale_source)
     if loss is not None and loss_fn is None:  # the recorded gradient of the outputs stood in for the loss
         run = dataclasses.replace(run, loss_source="the step's recorded output gradient")

@@ -235,8 +235,7 @@ class Watch:
         """Close a step by hand, for loops without a GradScaler (bfloat16): after the backward, before
         ``optimizer.step()``, so a capture replays the weights of the failing forward. With a scaler, ``update``
         does it (a disabled scaler's ``step``)."""
-        fresh = bool(self.cur.forwards or self.cur.orphan_losses)
-        if self._stepped and not fresh:
+        if self._stepped and not self.cur.seen:
             return  # a disabled scaler's step() closed it already
         self._end_step(None, None, [])
         self._stepped = self.scaler is not None and not self.scaler_on  # its update() closes nothing more
@@ -294,7 +293,7 @@ class Watch:
     def before_step(self) -> None:
         """A disabled scaler's ``step(optimizer)`` is about to apply the gradients: the step closes here, so that a
         capture replays the weights of its forward (the first ``step`` of several optimizers closes it)."""
-        if not self.active or self.scaler_on or not (self.cur.forwards or self.cur.orphan_losses):
+        if not self.active or self.scaler_on or not self.cur.seen:
             return  # closed already (doctor.step(), an earlier optimizer), or the forwards run inside (a closure)
         try:
             self._end_step(None, None, [])
