@@ -24,7 +24,7 @@ _claimed: dict[int, int] = {}  # id(module) -> the thread diagnosing it
 def claim_modules(modules: Iterable[nn.Module], what: str) -> Callable[[], None]:
     """Wait until no other thread diagnoses any of ``modules``, then claim them; returns the (idempotent, owned)
     release. Raises :class:`InvalidInput` when this very thread already diagnoses one of them."""
-    ids = frozenset(id(m) for m in modules)
+    ids = [id(m) for m in modules]  # (a list: a set of ten thousand would cost half a megabyte more)
     me = threading.get_ident()
     with _changed:
         while True:
@@ -40,7 +40,7 @@ def claim_modules(modules: Iterable[nn.Module], what: str) -> Callable[[], None]
 
 
 @uninterrupted
-def _take(ids: frozenset[int], me: int) -> Callable[[], None]:
+def _take(ids: list[int], me: int) -> Callable[[], None]:
     for i in ids:
         _claimed[i] = me
 

@@ -6,11 +6,10 @@ streams (torch CPU, every initialised CUDA device, Python, numpy), so re-runs dr
 
 from __future__ import annotations
 
+import array
+import bisect
 import contextlib
-import operator
 import random
-import types
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -22,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from .cleanup import cleaned, on_cleanup, uninterrupted
 from .exclusive import claim_modules
+from .module_entries import Entries, packed
 from .stats import chunks
 
 
@@ -230,10 +230,6 @@ def _checksums(chunk: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# What a module without parameters (or buffers) had of them: one shared, read-only empty mapping.
-_NONE: Mapping[str, Any] = types.MappingProxyType({})
-
-
 class _WriteGuard(TorchFunctionMode):
     """Copy-on-write for parameters: the first in-place write to a parameter's storage during a pass keeps a
     copy of the parameter first (a TorchFunctionMode costs little per op, unlike a dispatch mode)."""
@@ -246,11 +242,6 @@ class _WriteGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         self.guard.check_write(func, args, kwargs)
         return func(*args, **kwargs)
-
-
-def _same_entries(current: Mapping[str, Any], before: Mapping[str, Any]) -> bool:
-    """The same names holding the same objects (by identity: == on tensors compares values)."""
-    return current.keys() == before.keys() and all(map(operator.is_, map(current.get, before), before.values()))
 
 
 class StateGuard:
@@ -276,35 +267,35 @@ class StateGuard:
         modules: Optional[list[nn.Module]] = None,
     ) -> None:
         self.modules = list(model.modules()) if modules is None else modules  # ``modules``: when walked already
+        self.root = model
         # One diagnosis per model at a time (another thread's waits here); released by restore().
         self._release = claim_modules(self.modules, f"this {type(model).__name__}")
         self.rng = rng or RngState.capture()
-        # Which buffers each module had (None entries included), by object: a forward that fills a lazy cache
-        # (register_buffer("cache", None), then set in forward) or adds a buffer is undone too.
-        # (Modules with none share one empty mapping: no dict each for the thousands of activations of a model.)
-        self.buffer_names: list[tuple[nn.Module, Mapping[str, Any]]] = [
-            (m, dict(m._buffers) if m._buffers else _NONE) for m in self.modules
-        ]
-        # Parameter objects by name: a forward that assigns a new nn.Parameter (or adds one) is undone too.
-        self.param_slots: list[tuple[nn.Module, Mapping[str, Any]]] = [
-            (m, dict(m._parameters) if m._parameters else _NONE) for m in self.modules
-        ]
-        self.originals = {id(b): b for _, names in self.buffer_names for b in names.values() if b is not None}
-        # Flag, class and children per module: a forward that parametrizes a child (parametrize swaps the class and
-        # adds a ModuleDict) is undone too (its parameters are, by param_slots). Not a removed parametrization:
-        # parametrize deletes the property from the class object itself.
-        self.training = [(m, m.training, type(m), dict(m._modules) if m._modules else _NONE) for m in self.modules]
+        # What each module held, kept compactly (a model of ten thousand modules would otherwise keep a tuple or
+        # a dict per module per kind: megabytes, for the whole diagnosis; see module_entries):
+        # - its buffers by name (None entries included), by object: a forward that fills a lazy cache
+        #   (register_buffer("cache", None), then set in forward) or adds a buffer is undone too;
+        # - its parameter objects by name: a forward that assigns a new nn.Parameter (or adds one) is undone too;
+        # - its children, class and training flag: a forward that parametrizes a child (parametrize swaps the
+        #   class and adds a ModuleDict) is undone too (its parameters are, by the parameter entries). Not a
+        #   removed parametrization: parametrize deletes the property from the class object itself.
+        self.buffer_entries = Entries(self.modules, "_buffers")
+        self.param_entries = Entries(self.modules, "_parameters")
+        self.child_entries = Entries(self.modules, "_modules")
+        self.classes = [type(m) for m in self.modules]
+        self.flags = bytearray(m.training for m in self.modules)
+        self.originals = {id(b): b for b in self.buffer_entries.objects if b is not None}
         self.params = params
-        self.versions = {id(p): p._version for _, p in params}
-        self.names = {id(p): name for name, p in params}
-        self.storages: dict[int, nn.Parameter] = {}
-        for _, p in params:
-            key = _storage_key(p)
-            if key is not None:
-                self.storages.setdefault(key, p)
+        self.versions = [p._version for _, p in params]  # (in the order of params: looked up only after a write)
+        # Parameters by storage (copy-on-write): sorted storage keys, and the index in params of the first
+        # parameter on each (a lookup per in-place write of the forward, by bisection).
+        keyed = sorted((key, i) for i, (_, p) in enumerate(params) if (key := _storage_key(p)) is not None)
+        firsts = [pair for j, pair in enumerate(keyed) if j == 0 or keyed[j - 1][0] != pair[0]]
+        self.storage_keys = array.array("Q", [key for key, _ in firsts])
+        self.storage_params = array.array("q", [i for _, i in firsts])
         self.saved: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self.notes: list[str] = []
-        self._fingerprints = fingerprints(self._watched())
+        self._fingerprints = packed(fingerprints(self._watched()))
         # The diagnosis's cleanup owner puts everything back even when Ctrl-C cuts the diagnosis short.
         self._undo: Optional[Callable[[], None]] = on_cleanup(self.restore)
 
@@ -315,8 +306,14 @@ class StateGuard:
     @uninterrupted
     def before_write(self, target: torch.Tensor) -> None:
         key = _storage_key(target)
-        param = self.storages.get(key) if key is not None else None
-        if param is not None and id(param) not in self.saved:
+        if key is None:
+            return
+        keys = self.storage_keys
+        at = bisect.bisect_left(keys, key)
+        if at == len(keys) or keys[at] != key:
+            return
+        param = self.params[self.storage_params[at]][1]
+        if id(param) not in self.saved:
             self.saved[id(param)] = (param, param.detach().clone())
 
     def check_write(self, func: Any, args: Any, kwargs: Any) -> None:
@@ -338,9 +335,10 @@ class StateGuard:
         with torch.no_grad():
             for param, copy in self.saved.values():
                 param.copy_(copy)
+        index = {id(p): i for i, (_, p) in enumerate(self.params)}
+        written = [index[id(p)] for p, _ in self.saved.values()]
         if setter is not None:
-            written = [p for p, _ in self.saved.values()]
-            setter(tuple(written), tuple(self.versions[id(p)] for p in written))
+            setter(tuple(self.params[i][1] for i in written), tuple(self.versions[i] for i in written))
         else:
             note = (
                 "the forward wrote parameters in place; ampdoctor restored their values, but this torch has no "
@@ -348,7 +346,7 @@ class StateGuard:
             )
             if note not in self.notes:
                 self.notes.append(note)
-        written_names = ", ".join(self.names[id(p)] for p, _ in self.saved.values())
+        written_names = ", ".join(self.params[i][0] for i in written)
         note = f"the forward writes parameters in place ({written_names}); each pass ran on their original values"
         if note not in self.notes:
             self.notes.append(note)
@@ -375,11 +373,9 @@ class StateGuard:
         self._restore_params()
         self._put_buffers(self.originals)
         self._put_training()
-        after = fingerprints(self._watched())
-        names = [name for name, _ in self.params] + [
-            f"buffer {name}" for m, names in self.buffer_names for name, b in names.items() if b is not None
-        ]
-        changed = [n for n, a, b in zip(names, self._fingerprints, after) if a != b]
+        after = packed(fingerprints(self._watched()))
+        before = self._fingerprints
+        changed = self._names([i // 2 for i in range(0, len(after), 2) if after[i : i + 2] != before[i : i + 2]])
         if changed:
             self.notes.append(
                 f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} changed during the diagnosis by "
@@ -390,22 +386,32 @@ class StateGuard:
             self._undo = None
         self._release()
 
+    def _names(self, indices: list[int]) -> list[str]:
+        """The names of watched tensors (parameters, then the distinct buffers), by their index in _watched()."""
+        if not indices:
+            return []
+        buffers = {id(b): f"buffer {name}" for name, b in self.root.named_buffers(remove_duplicate=False)}
+        watched = self._watched()
+        count = len(self.params)
+        return [self.params[i][0] if i < count else buffers.get(id(watched[i]), "a buffer") for i in indices]
+
     def _put_training(self) -> None:
         # Set only where a forward changed it (nn.Module.__setattr__ is a long way for ten thousand modules).
-        for module, flag, _, _ in self.training:
+        for module, flag in zip(self.modules, self.flags):
             if module.training != flag:
-                module.training = flag
+                module.training = bool(flag)
 
     def _put_structure(self) -> None:
         changed = False
-        for module, _, cls, children in self.training:
-            current = module._modules
+        children = self.child_entries
+        for i, (module, cls) in enumerate(zip(self.modules, self.classes)):
             if type(module) is not cls:
                 module.__class__ = cls
                 changed = True
-            if (current or children) and not _same_entries(current, children):
+            current = module._modules
+            if (current or children.held(i)) and not children.same(i, current):
                 current.clear()
-                current.update(children)
+                current.update(children.at(i))
                 changed = True
         if changed:
             note = (
@@ -416,16 +422,18 @@ class StateGuard:
                 self.notes.append(note)
 
     def _put_parameters(self) -> None:
-        for module, before in self.param_slots:
+        entries = self.param_entries
+        for i, module in enumerate(self.modules):
             current = module._parameters
-            if not current and not before:
+            if not current and not entries.held(i):
                 continue
-            if _same_entries(current, before):
+            if entries.same(i, current):
                 continue  # nothing assigned
-            replaced = [n for n in module._parameters if module._parameters[n] is not before.get(n)]
-            for name in [n for n in module._parameters if n not in before]:
-                del module._parameters[name]
-            module._parameters.update(before)
+            before = entries.at(i)
+            replaced = [n for n in current if current[n] is not before.get(n)]
+            for name in [n for n in current if n not in before]:
+                del current[name]
+            current.update(before)
             note = (
                 f"the forward assigns parameter objects ({', '.join(replaced[:3])}); each pass started from, and the "
                 "model keeps, the original ones"
@@ -434,10 +442,13 @@ class StateGuard:
                 self.notes.append(note)
 
     def _put_buffers(self, tensors: dict[int, torch.Tensor]) -> None:
-        for module, before in self.buffer_names:
-            if not before and not module._buffers:
+        entries = self.buffer_entries
+        for i, module in enumerate(self.modules):
+            current = module._buffers
+            if not current and not entries.held(i):
                 continue  # most modules have none, before and after
-            for name in [n for n in module._buffers if n not in before]:
-                del module._buffers[name]
+            before = entries.at(i)
+            for name in [n for n in current if n not in before]:
+                del current[name]
             for name, value in before.items():
-                module._buffers[name] = None if value is None else tensors[id(value)]
+                current[name] = None if value is None else tensors[id(value)]

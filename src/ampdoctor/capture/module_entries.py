@@ -1,0 +1,61 @@
+"""What a pass's state guard (:class:`~.state.StateGuard`) keeps of every module for the whole diagnosis, compactly:
+a model of ten thousand modules would otherwise keep a dict and a tuple per module per kind, and a tuple of two
+integers per fingerprinted tensor (megabytes, all diagnosis long)."""
+
+from __future__ import annotations
+
+import array
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+
+def packed(pairs: list[tuple[int, int]]) -> array.array[int]:
+    """Fingerprints kept for the whole diagnosis: 16 bytes a tensor, not a tuple of two integers."""
+    return array.array("q", [v for pair in pairs for v in pair])
+
+
+class Entries:
+    """What one dict attribute (``_parameters``, ``_buffers``, ``_modules``) of every module held, compactly: per
+    module its names (one shared tuple per distinct list of names) and where its objects start in one flat list.
+    About 16 bytes a module and 8 an entry, against a dict and a tuple per module."""
+
+    __slots__ = ("names", "objects", "starts")
+
+    def __init__(self, modules: list[nn.Module], attribute: str) -> None:
+        shared: dict[tuple[str, ...], tuple[str, ...]] = {(): ()}
+        self.names: list[tuple[str, ...]] = []
+        self.objects: list[Any] = []
+        self.starts = array.array("q")
+        for module in modules:
+            entries = getattr(module, attribute)
+            self.starts.append(len(self.objects))
+            if entries:
+                keys = tuple(entries)
+                self.names.append(shared.setdefault(keys, keys))
+                self.objects.extend(entries.values())
+            else:
+                self.names.append(())
+        self.starts.append(len(self.objects))
+
+    def held(self, i: int) -> bool:
+        """Module ``i`` held any entry."""
+        return bool(self.names[i])
+
+    def at(self, i: int) -> dict[str, Any]:
+        """Module ``i``'s entries as they were."""
+        return dict(zip(self.names[i], self.objects[self.starts[i] : self.starts[i + 1]]))
+
+    def same(self, i: int, current: Mapping[str, Any]) -> bool:
+        """``current`` holds the same names and the same objects (by identity: == on tensors compares values)."""
+        names, objects = self.names[i], self.objects[self.starts[i] : self.starts[i + 1]]
+        if len(current) != len(names):
+            return False
+        if tuple(current) == names:  # the common case: same names in the same order
+            return all(map(operator.is_, current.values(), objects))
+        return all(current.get(name, _MISSING) is value for name, value in zip(names, objects))
+
+
+_MISSING = object()
