@@ -26,6 +26,7 @@ from .reference import FloatReference
 from .state import RngState
 from .stats import StatsCollector
 from .tensor_hooks import (
+    drop_empty_hook_dict,
     drop_forward_hooks,
     hang_tensor_hook,
     hook_dicts_work,
@@ -130,6 +131,7 @@ class Recorder:
         self._producers: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
         self._handles: list[Any] = []
         self._hung: list[tuple[Any, int]] = []  # tensor hooks hung by hang_tensor_hook: (their dict, their id)
+        self._bare: list[torch.Tensor] = []  # leaves (parameters) that had no hook dict before the pass
         self._module_handles: list[Any] = []
         self._hooked: list[nn.Module] = []  # modules holding the pass's forward hooks under ``_hook_ids``
         self._hook_ids = (-1, -1)
@@ -171,6 +173,8 @@ class Recorder:
             set_forward_hooks(module, ids, pre, post)
         if self.record_grads:
             hung = self._hung
+            # Leaves that had no hook dict: they get none back either (tensor_hooks.drop_empty_hook_dict).
+            self._bare += [p for _, p in params if p.requires_grad and p._backward_hooks is None]
             for name, param in params:
                 if param.requires_grad:
                     hook = ParamGradHook(self, name)
@@ -190,6 +194,9 @@ class Recorder:
         for hooks, hook_id in self._hung:
             hooks.pop(hook_id, None)
         self._hung.clear()
+        for leaf in self._bare:
+            drop_empty_hook_dict(leaf)
+        self._bare.clear()
         self._stash.clear()
         self.close_zoom()
 
@@ -322,7 +329,7 @@ class Recorder:
             producers = self._producers
             for path, t in pairs:
                 slot = add(t)
-                seen = producers.get(id(t))  # the earlier call that returned this very tensor (_producer, inline)
+                seen = producers.get(id(t))  # the earlier call that returned this very tensor
                 if seen is not None and seen[0]() is t:
                     producer, producer_path = seen[1], seen[2]
                 else:
@@ -383,7 +390,7 @@ class Recorder:
                 slot = add(t)
                 requires_grad = t.requires_grad
                 call.outputs.append((path, slot, requires_grad))
-                try:  # _remember_producer, inline
+                try:  # which call returned this very tensor
                     producers[id(t)] = (weakref.ref(t), index, path)
                 except TypeError:
                     pass
@@ -403,19 +410,6 @@ class Recorder:
             self.raised_inside = calls[index].module
         self._unwound = index
 
-    def _producer(self, t: torch.Tensor) -> tuple[Optional[int], str]:
-        """The earlier call that returned this very tensor, and where in its output it sat."""
-        seen = self._producers.get(id(t))
-        if seen is not None and seen[0]() is t:
-            return seen[1], seen[2]
-        return None, ""
-
-    def _remember_producer(self, t: torch.Tensor, index: int, path: str) -> None:
-        try:
-            self._producers[id(t)] = (weakref.ref(t), index, path)
-        except TypeError:
-            pass
-
     # backward
     @uninterrupted
     def _grad_hook(self, t: torch.Tensor, kind: GradKind, index: int, path: str) -> None:
@@ -423,6 +417,8 @@ class Recorder:
         via_base = base is not None and base.requires_grad
         receive = OutputGradHook(self, kind, index, path, via_base)
         if base is None:
+            if t.grad_fn is None and t._backward_hooks is None:  # a parameter passed in or handed back
+                self._bare.append(t)
             entry = hang_tensor_hook(t, receive)
             if entry is not None:
                 self._hung.append(entry)
