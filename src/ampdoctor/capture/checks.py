@@ -122,7 +122,25 @@ def resolve_scale(scaler: Any, scale: Optional[float], dtype: torch.dtype) -> tu
                 return 1.0, "unscaled (the given scaler is disabled here)", environment
             environment.append("your GradScaler is disabled (enabled=False): your loop's backward is not scaled")
             return 1.0, "the given scaler is disabled: unscaled backward", environment
-        return float(scaler.get_scale()), "scaler.get_scale()", environment
+        given = float(scaler.get_scale())
+        if math.isfinite(given) and given > 0:
+            return given, "scaler.get_scale()", environment
+        # A scale that collapsed (halved at every step whose gradients held inf/NaN, down to 0) or went inf/NaN
+        # is no scale to run a backward at: the diagnosis runs where a fresh scaler would start, and says so.
+        default = DEFAULT_FP16_SCALE if dtype == torch.float16 else 1.0
+        if given == 0:
+            why = ("it collapsed: halved at each step whose gradients held inf/NaN, it reached 0 and stays there, so "
+                   "every scaled gradient is 0 and nothing is learned")
+        elif given < 0:
+            why = "not a loss scale"
+        else:
+            why = "no scale a backward can run at: every scaled gradient is inf/NaN and every step is skipped"
+        environment.append(
+            f"your GradScaler's scale is {fmt_scale(given)} ({why}); diagnosed at {fmt_scale(default)}, where a fresh "
+            "GradScaler starts. If this batch comes out healthy there, what drove the scale down is in other batches "
+            "or steps: ampdoctor.watch finds the step during training"
+        )
+        return default, f"GradScaler default (the given scaler's scale is {fmt_scale(given)})", environment
     if dtype == torch.float16:
         return DEFAULT_FP16_SCALE, "GradScaler default; no scaler given", environment
     return 1.0, "unscaled; bfloat16 needs no scaler", environment
