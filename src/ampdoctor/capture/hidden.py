@@ -40,7 +40,6 @@ from .hidden_ops import (
     ARITH,
     CAST,
     DTYPE_NAMES,
-    FILL_SELECTS,
     INPUT,
     LOW_DTYPES,
     LOW_NAMES,
@@ -50,11 +49,12 @@ from .hidden_ops import (
     SHAPE_ONLY_OPS,
     SKIP,
     VIEW,
+    copied_from,
     counted_op,
     makes_with_scalar,
     op_info,
-    oversized_fill,
     resolved,
+    selection_makes,
 )
 from .internal import INTERNAL, _internal
 from .outputs_inside import outputs_used_inside
@@ -218,12 +218,14 @@ class HiddenWatch(TorchFunctionMode):
                     found = where.get(id(a))
                     sources += found[1] if found is not None and found[0]() is a else self._source(a)
                 elif isinstance(a, (list, tuple)):
-                    self._collect(a, sources)
+                    sources += [s for v in a if isinstance(v, torch.Tensor) for s in self._source(v)]
         inputs = tuple(sources) if len(sources) < 2 else tuple(dict.fromkeys(sources))
         if category == CAST:
             category = resolved(category, tensors, args)
-        elif category == SELECT and name in FILL_SELECTS and oversized_fill(tensors[0].dtype, args, kwargs):
-            category = MAKE  # ``where(mask, x, -1e9)`` in float16: the constant is the overflow, not a sentinel
+        elif category == SELECT and selection_makes(name, tensors[0].dtype, args, kwargs):
+            category = MAKE  # ``where(mask, x, -1e9)``, ``cache.copy_(wide)`` in float16: they make the overflow
+            wide = copied_from(name, args, kwargs)  # its values measured: a -inf it holds is passed on, not made
+            inputs += self._measured(wide) if wide is not None else ()
         if category == VIEW:
             for t in tensors:
                 self._remember(t, inputs)
@@ -264,14 +266,6 @@ class HiddenWatch(TorchFunctionMode):
                 # Written through a view (``h[:, :4].mul_(s)``): the base holds these values now too.
                 self._remember(t._base, tuple(dict.fromkeys((*self._source(t._base), node_id))))
 
-    def _collect(self, a: Any, into: list[int]) -> None:
-        if isinstance(a, torch.Tensor):
-            into.extend(self._source(a))
-        elif isinstance(a, (list, tuple)):
-            for v in a:
-                if isinstance(v, torch.Tensor):
-                    into.extend(self._source(v))
-
     def _source(self, t: torch.Tensor) -> tuple[int, ...]:
         """The nodes whose values ``t`` holds; an unseen floating tensor (not a parameter) is measured once."""
         found = self._where.get(id(t))
@@ -279,12 +273,15 @@ class HiddenWatch(TorchFunctionMode):
             return found[1]
         if isinstance(t, nn.Parameter) or not t.is_floating_point() or not t.numel():
             return ()
-        node_id = len(self.nodes)
-        node = _Node(None, "input", "", -1, INPUT, ())
-        self.nodes.append(node)
+        made = self._measured(t)
+        self._remember(t, made)
+        return made
+
+    def _measured(self, t: torch.Tensor) -> tuple[int]:
+        """A node of ``t``'s own values as they are now, measured."""
+        self.nodes.append(node := _Node(None, "input", "", -1, INPUT, ()))
         self._measure(node, [t])
-        self._remember(t, (node_id,))
-        return (node_id,)
+        return (len(self.nodes) - 1,)
 
     def _measure(self, node: _Node, tensors: list[torch.Tensor]) -> None:
         node.first = self._count

@@ -41,7 +41,7 @@ _VIEW_OPS = frozenset(
 _SELECT_OPS = frozenset(
     {
         "masked_fill", "where", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
-        "index_select", "gather", "scatter", "scatter_add", "index_put", "index_fill", "index_copy", "index_add",
+        "index_select", "gather", "scatter", "index_put", "index_fill", "index_copy",
         "masked_select", "masked_scatter", "fill", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like",
         "new_full", "new_zeros", "new_ones", "new_tensor", "tensor", "as_tensor", "triu", "tril", "pad", "setitem",
         "copy", "zero", "clamp", "clip", "clamp_min", "clamp_max", "nan_to_num", "maximum", "minimum", "fmax",
@@ -148,6 +148,39 @@ def resolved(category: int, tensors: list[torch.Tensor], args: Any) -> int:
     if category != CAST:
         return category
     return MAKE if tensors[0].dtype in LOW_DTYPES and _wider_input(args) else VIEW
+
+
+# Selections that write another tensor's values into a low-precision one: where that tensor is wider (or a wide
+# integer), they cast it down (a float32 70000.0 copied into a float16 KV cache is inf). Its position and keyword.
+_COPIED_FROM = {"copy": (1, "src"), "setitem": (2, "value"), "index_put": (2, "values"), "index_copy": (3, "source"),
+                "masked_scatter": (2, "source"), "scatter": (3, "src")}
+# Selections that sum what they place under some arguments (``index_put(..., accumulate=True)``, ``scatter(...,
+# reduce="add")``): arithmetic then, which can overflow. The argument's position and keyword.
+_ACCUMULATES = {"index_put": (3, "accumulate"), "scatter": (4, "reduce")}
+
+
+def selection_makes(name: str, dtype: torch.dtype, args: Any, kwargs: Any) -> bool:
+    """A selection that makes values in a low-precision output: it writes a finite constant the format cannot hold
+    (:func:`oversized_fill`), casts a wider tensor down into it, or sums what it places."""
+    if name in FILL_SELECTS and oversized_fill(dtype, args, kwargs):
+        return True
+    if dtype not in LOW_DTYPES:
+        return False
+    if copied_from(name, args, kwargs) is not None:
+        return True
+    summed = _ACCUMULATES.get(name)
+    return summed is not None and bool(_argument(args, kwargs, *summed))
+
+
+def copied_from(name: str, args: Any, kwargs: Any) -> Optional[torch.Tensor]:
+    """The wider tensor (or wide integer one) a selection copies into its low-precision output, if any."""
+    copied = _COPIED_FROM.get(name)
+    source = _argument(args, kwargs, *copied) if copied is not None else None
+    return source if _wider_input((source,)) else None
+
+
+def _argument(args: Any, kwargs: Any, position: int, keyword: str) -> Any:
+    return args[position] if len(args) > position else (kwargs or {}).get(keyword)
 
 
 def oversized_fill(dtype: torch.dtype, args: Any, kwargs: Any) -> bool:
