@@ -22,6 +22,7 @@ from torch import nn
 from ._version import __version__
 from .analysis import Findings, ScaleFinding, ScaleWindow, UnderflowFinding, analyze, forward_origin, near_limit
 from .analysis.policy_check import checked_policy_notes
+from .analysis.reproduced import unreproduced
 from .analysis.scale import Histograms, Runner, measure_window, probe_scales, underflow_reference
 from .analysis.survey_only import deferred_window_note, settle_from_survey
 from .autocast_ops import autocast_note
@@ -163,8 +164,7 @@ def diagnose(
 @contextlib.contextmanager
 def _without_cyclic_gc() -> Iterator[None]:
     """The cyclic garbage collector off for the diagnosis (the cleanup owner puts the user's setting back, also
-    on Ctrl-C): a diagnosis makes records by the hundred thousand on a model of many modules, and full
-    collections scanning them only cost time; passes free what they made by reference counting."""
+    on Ctrl-C): full collections scanning a diagnosis's records only cost time; passes free by reference counting."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -176,9 +176,8 @@ def _without_cyclic_gc() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _outside_user_autocast() -> Iterator[None]:
-    """Called inside the user's ``torch.autocast`` region, the passes must not inherit it: the loss scaling and
-    the backward would run under the user's dtype (autocast applies to backward ops too). Each pass opens its
-    own region; the user's is back afterwards."""
+    """Called inside the user's ``torch.autocast`` region, the passes must not inherit it (autocast applies to the
+    loss scaling and backward ops too). Each pass opens its own region; the user's is back afterwards."""
     with contextlib.ExitStack() as stack:
         for device in ("cpu", "cuda"):
             if autocast_dtype(device) is not None:
@@ -296,6 +295,8 @@ def _diagnose(
         detail = lambda: session.run(at_scale, detailed)  # noqa: E731
         # Without the detailed re-run the report stands on the survey (no op zoom, survey-level counts).
         final = session.optional("detail and op zoom", detail, survey)
+        if note := unreproduced(survey, final, at_scale == used_scale):  # never a report on a step that changed
+            final, pass_notes = survey, [*pass_notes, note]
         modules = capture_params(spec, named)
         near = None  # analyze's own, on the detailed pass and parameters
     if window_deferred and window is None and origin is None and survey.backward_ran and survey.gradients_finite():
