@@ -54,3 +54,28 @@ def test_a_step_that_is_the_same_twice_has_no_such_note() -> None:
     assert report.verdict != "healthy"
     assert report.trace.detailed is True
     assert not [n for n in report.run.notes if n.startswith("the step is not the same twice")]
+
+
+class NoisyGate(nn.Module):
+    """Draws from a torch.Generator of its own: its first draw (0.62 from seed 50) overflows, its second does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.gen = torch.Generator().manual_seed(50)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = torch.rand((), generator=self.gen).item()
+        return self.b(self.a(x) * (1e6 if k > 0.5 else 1.0))
+
+
+def test_a_generator_the_model_holds_is_rewound_for_every_pass_and_put_back() -> None:
+    torch.manual_seed(0)
+    model = NoisyGate()
+    state = model.gen.get_state()
+    report = ampdoctor.diagnose(model, torch.ones(3, 4), loss_fn=_loss, dtype=FP16, progress=False)
+    assert torch.equal(model.gen.get_state(), state)  # the user's next step draws what it would have drawn
+    assert report.verdict == "overflow"  # every pass drew the first draw: the re-run shows what the survey saw
+    assert report.trace.detailed is True
+    assert not [n for n in report.run.notes if n.startswith("the step is not the same twice")]

@@ -271,6 +271,10 @@ class StateGuard:
         # One diagnosis per model at a time (another thread's waits here); released by restore().
         self._release = claim_modules(self.modules, f"this {type(model).__name__}")
         self.rng = rng or RngState.capture()
+        # torch.Generators the modules hold (``self.gen = torch.Generator()``): their streams are the model's
+        # state too, rewound like the global ones (else each pass draws anew, and the user's next step too).
+        held = {id(v): v for m in self.modules for v in m.__dict__.values() if type(v) is torch.Generator}
+        self.generators = [(g, g.get_state()) for g in held.values()]
         # What each module held, kept compactly (a model of ten thousand modules would otherwise keep a tuple or
         # a dict per module per kind: megabytes, for the whole diagnosis; see module_entries):
         # - its buffers by name (None entries included), by object: a forward that fills a lazy cache
@@ -356,6 +360,8 @@ class StateGuard:
     def rewind(self) -> None:
         """Before each pass: the same RNG draws, the original parameters, fresh copies of the buffers."""
         self.rng.restore()
+        for generator, state in self.generators:
+            generator.set_state(state)
         self._put_structure()
         self._put_parameters()
         self._restore_params()
@@ -368,6 +374,8 @@ class StateGuard:
         """At the end: the user's own buffer tensors, parameters, flags and RNG, exactly as they were. Idempotent;
         runs to its end even when Ctrl-C arrives meanwhile."""
         self.rng.restore()
+        for generator, state in self.generators:
+            generator.set_state(state)
         self._put_structure()
         self._put_parameters()
         self._restore_params()
