@@ -40,6 +40,7 @@ from .hidden_ops import (
     ARITH,
     CAST,
     DTYPE_NAMES,
+    ELEMENTWISE,
     INPUT,
     LOW_DTYPES,
     LOW_NAMES,
@@ -247,7 +248,7 @@ class HiddenWatch(TorchFunctionMode):
         low = [t for t in tensors if t.dtype in LOW_DTYPES and t.numel()]
         if low:
             self._measure(node, low)
-            if category == ARITH:
+            if category == ARITH or name in ELEMENTWISE:
                 self._measure_unmasked(node, low[0], args, inplace)
             if self.targets and category != SELECT and self._key(node) in self.targets:
                 self._classify(node, low[0], args, kwargs, inplace)
@@ -300,9 +301,10 @@ class HiddenWatch(TorchFunctionMode):
         self._count += 2 * len(tensors)
 
     def _measure_unmasked(self, node: _Node, out: torch.Tensor, args: Any, inplace: bool) -> None:
-        """Arithmetic with an operand that may be an intentional mask (``scores + mask``, the mask a fill or an
-        input the watch did not see made): one more fused reduction, of the output where those operands are
-        finite, so that a ``-inf`` the op made beside the mask's own is not taken for the mask passed on."""
+        """Elementwise arithmetic with an operand that may hold an intentional mask (``scores + mask``, the mask a
+        fill or an input the watch did not see made; or ``scores * scale`` after such an op carried it on): one
+        more fused reduction, of the output where those operands are finite, so that an inf the op made beside
+        the mask's own -inf is not taken for the mask passed on."""
         keep: Optional[torch.Tensor] = None
         masks: list[int] = []
         for i, a in enumerate(args[:2]):
@@ -311,7 +313,8 @@ class HiddenWatch(TorchFunctionMode):
             found = self._where.get(id(a))
             if found is None or found[0]() is not a or not found[1]:
                 continue
-            if not all(self.nodes[s].category == INPUT or self.nodes[s].name in MASK_FILLS for s in found[1]):
+            if not all(self.nodes[s].category == INPUT or self.nodes[s].name in MASK_FILLS or self.nodes[s].masks
+                       for s in found[1]):
                 continue
             masks.extend(found[1])
             finite = torch.isfinite(a.detach())
@@ -343,7 +346,7 @@ class HiddenWatch(TorchFunctionMode):
         self._count += 2
         finite = torch.isfinite(o)
         self.values.append(torch.count_nonzero(finite))
-        if node.category == ARITH:
+        if node.category == ARITH or node.masks:  # (elementwise ops on a mask's -inf pass it on, like arithmetic)
             made = finite.logical_not_()  # reuses the mask: one temporary of o's size in bytes
             limits = format_limits(o.dtype)
             operands = list(args[:2]) + [v for k, v in kwargs.items() if k in ("other", "alpha")]

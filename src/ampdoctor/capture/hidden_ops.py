@@ -83,6 +83,13 @@ MASK_FILLS = frozenset(
     {"masked_fill", "where", "full", "full_like", "new_full", "fill", "triu", "tril", "setitem", "index_fill",
      "index_put", "masked_scatter", "tensor", "as_tensor", "scalar_tensor", "new_tensor", "cat", "stack"}
 )
+# Elementwise ops besides arithmetic whose output element depends on the same element of their operand (so a
+# mask's -inf there is passed on, and an inf elsewhere is made): measured where the operand is finite too.
+ELEMENTWISE = frozenset(
+    {"exp", "exp2", "expm1", "pow", "square", "float_power", "log", "log2", "log10", "log1p", "reciprocal", "rsqrt",
+     "sqrt", "sinh", "cosh", "tan", "softplus", "gelu", "silu", "mish", "elu", "selu", "celu", "leaky_relu",
+     "sigmoid", "tanh", "erf", "erfinv", "lgamma", "digamma", "logit", "xlogy", "addcmul", "addcdiv", "lerp"}
+)
 # How many numbers of a list argument (``torch.tensor([0.0, -1e9])``) are looked at.
 _MAX_LISTED = 64
 
