@@ -146,6 +146,14 @@ def _writes_first(func: Any) -> bool:
     return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
 
 
+def _version(t: torch.Tensor) -> int:
+    """The version counter (-1 for an inference tensor: it has none, and a forward cannot write it in place)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def _storage_key(t: torch.Tensor) -> Optional[int]:
     try:
         ptr = t.untyped_storage().data_ptr()
@@ -290,7 +298,14 @@ class StateGuard:
         self.flags = bytearray(m.training for m in self.modules)
         self.originals = {id(b): b for b in self.buffer_entries.objects if b is not None}
         self.params = params
-        self.versions = [p._version for _, p in params]  # (in the order of params: looked up only after a write)
+        self.versions = [_version(p) for _, p in params]  # (in the order of params: looked up only after a write)
+        # .grad fields set aside for the whole diagnosis and put back by restore(): a backward the model's own code
+        # runs (a forward or loss_fn calling .backward()) accumulates into fresh tensors, never into the user's,
+        # and leaves nothing where there was None.
+        self.grads = [p.grad for _, p in params]
+        for (_, p), grad in zip(params, self.grads):
+            if grad is not None:
+                p.grad = None
         # Parameters by storage (copy-on-write): sorted storage keys, and the index in params of the first
         # parameter on each (a lookup per in-place write of the forward, by bisection).
         keyed = sorted((key, i) for i, (_, p) in enumerate(params) if (key := _storage_key(p)) is not None)
@@ -381,6 +396,9 @@ class StateGuard:
         self._restore_params()
         self._put_buffers(self.originals)
         self._put_training()
+        for (_, p), grad in zip(self.params, self.grads):
+            if p.grad is not grad:
+                p.grad = grad
         after = packed(fingerprints(self._watched()))
         before = self._fingerprints
         changed = self._names([i // 2 for i in range(0, len(after), 2) if after[i : i + 2] != before[i : i + 2]])
