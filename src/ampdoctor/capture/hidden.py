@@ -60,7 +60,7 @@ from .hidden_ops import (
 from .internal import INTERNAL, _internal
 from .outputs_inside import outputs_used_inside
 from .state import written_tensor
-from .stats import format_limits
+from .stats import format_limits, measurable
 from .walk import transformed as _transformed
 from .zoom import innermost_user_line
 
@@ -297,7 +297,7 @@ class HiddenWatch(TorchFunctionMode):
             # (same tensor, same version: a leaf module's one op makes its output): one copy for both, its min and
             # max read from the pass's records. Otherwise one fused reduction; inf, -inf and NaN show in either.
             slot = shared(t)
-            values.append(slot if slot >= 0 else torch.aminmax(t.detach()))
+            values.append(slot if slot >= 0 else torch.aminmax(measurable(t.detach())))
         self._count += 2 * len(tensors)
 
     def _measure_unmasked(self, node: _Node, out: torch.Tensor, args: Any, inplace: bool) -> None:

@@ -24,7 +24,7 @@ from .internal import _internal
 from .node_calls import NodeCalls
 from .reference import FloatReference
 from .state import RngState
-from .stats import StatsCollector
+from .stats import StatsCollector, measurable
 from .tensor_hooks import (
     drop_empty_hook_dict,
     drop_forward_hooks,
@@ -468,16 +468,6 @@ _NOT_PAUSED = contextlib.nullcontext()
 _REGISTER_PRE = nn.Module.register_forward_pre_hook
 _REGISTER_POST = nn.Module.register_forward_hook
 _DisableTorchFunction = torch._C.DisableTorchFunction
-
-
-def measurable(grad: torch.Tensor) -> torch.Tensor:
-    """What the statistics of a gradient are taken on: the tensor itself, or a sparse gradient's values (its
-    stored elements, duplicates summed); the gradient itself is never changed."""
-    if grad.layout == torch.sparse_coo:
-        return grad.coalesce()._values()
-    if grad.layout != torch.strided:  # CSR and friends: their stored values
-        return grad.values()
-    return grad
 
 
 _ZEROS: dict[tuple[torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}

@@ -118,7 +118,7 @@ class StatsCollector:
     def add_if_staged(self, tensor: torch.Tensor) -> int:
         """``add`` at the survey level when that is this collector's level and ``tensor`` is one it stages (small,
         on the CPU); -1 otherwise (nothing measured). A hook that adds the same tensor later finds its slot."""
-        if self.detailed or not tensor.is_cpu:
+        if self.detailed or not tensor.is_cpu or tensor.layout is not torch.strided:
             return -1
         dtype = tensor.dtype
         if dtype not in STAGED_DTYPES or not 0 < tensor.numel() <= STAGE_EACH:
@@ -155,7 +155,8 @@ class StatsCollector:
         try:
             x = tensor.detach() if tensor.requires_grad else tensor
             dtype = x.dtype
-            if not self.detailed and x.is_cpu and dtype in STAGED_DTYPES and 0 < x.numel() <= STAGE_EACH:
+            if (not self.detailed and x.is_cpu and dtype in STAGED_DTYPES and 0 < x.numel() <= STAGE_EACH
+                    and x.layout is torch.strided):
                 # _measure's staged case written out (every module output's gradient in a backward comes here)
                 stage = self._cpu_stages.get(dtype)
                 if stage is not None:
@@ -165,6 +166,8 @@ class StatsCollector:
             _internal.depth = depth
 
     def _measure(self, x: torch.Tensor, level: int, histogram: bool = False) -> int:
+        if x.layout is not torch.strided:
+            x = measurable(x)
         dtype = x.dtype
         numel = x.numel()
         # The common case first (a small CPU tensor at the survey level: staged), with no more lookups than it needs.
@@ -276,7 +279,8 @@ class StatsCollector:
         """Survey-level slots (zeros counted) of many tensors that need no gradient, and their binade histograms
         (-1 when not asked); the small ones computed together over their concatenation (``_batch``), at most
         ``HIST_GROUP`` at a time when histograms are asked for (their scratch is ``HIST_BINS`` counts each)."""
-        batchable = [t for t in tensors if t.dtype in _BATCHABLE and 0 < t.numel() <= BATCH_EACH]
+        batchable = [t for t in tensors if t.dtype in _BATCHABLE and 0 < t.numel() <= BATCH_EACH
+                     and t.layout is torch.strided]
         if len(batchable) < 2:
             return [
                 (self._measure(t.detach(), 1), self.add_histogram(t) if histograms and _histogrammable(t) else -1)
@@ -458,3 +462,14 @@ def tensor_stats(tensor: torch.Tensor, low_dtype: torch.dtype = torch.float16, d
     collector = StatsCollector(low_dtype, detailed)
     collector.add(tensor)
     return collector.read()[0]
+
+
+def measurable(t: torch.Tensor) -> torch.Tensor:
+    """What the statistics of a tensor are taken on: the tensor itself, or a sparse one's values (its stored
+    elements, duplicates summed: a sparse batch, a sparse gradient, a module returning ``to_sparse()``); the tensor
+    itself is never changed."""
+    if t.layout == torch.sparse_coo:
+        return t.coalesce()._values()
+    if t.layout != torch.strided:  # CSR and friends: their stored values
+        return t.values()
+    return t
