@@ -69,6 +69,7 @@ class FailureTracker:
     first_local: Optional[int] = None  # the first step whose own forward or gradients went non-finite
     bundle_path: Optional[Path] = None
     used: dict[CaptureKind, int] = field(default_factory=lambda: {"run_start": 0, "persistent": 0})
+    spent: set[CaptureKind] = field(default_factory=set)  # kinds whose captures ran out (noted once)
 
     def plan(self, record: StepRecord, micro: list[MicroBatch]) -> Plan:
         """Fold the step into the runs; what it calls for (nothing runs yet)."""
@@ -81,6 +82,15 @@ class FailureTracker:
             return Plan(record, None, None, False, False)
         kind = observed.capture
         due = kind is not None and bool(micro) and self.used[kind] < self.max_captures
+        if kind is not None and micro and not due and kind not in self.spent:
+            self.spent.add(kind)  # said once per kind: the report must not read as if every failure was captured
+            what = "persistent failures" if kind == "persistent" else "runs of skipped steps"
+            self.note(
+                f"step {record.step} was not captured (max_captures=0): {what} are counted, not captured"
+                if not self.max_captures else
+                f"step {record.step} was not captured: the {self.max_captures} captures of {what} (max_captures) "
+                "were spent; later ones are counted, not captured (watch(..., max_captures=N) keeps more)"
+            )
         bundle = kind == "persistent" and bool(micro) and self.save_bundle and self.bundle_path is None
         return Plan(record, run, kind, due, bundle)
 
