@@ -608,3 +608,25 @@ def test_a_file_that_references_one_list_twice_at_every_level_is_read_in_linear_
         nested = [nested, nested]
     report = scan(save(nested, tmp_path / "dag.pt"))
     assert report.verdict == "healthy" and len(report.tensors) == 1
+
+
+def _adam_state(tiny: float, poison: bool) -> dict[str, Any]:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters(), eps=1e-10)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    for state in opt.state.values():
+        state["exp_avg_sq"].fill_(tiny)  # float32 moments below float16's flush threshold
+    if poison:
+        next(iter(opt.state.values()))["exp_avg"][0] = float("nan")
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def test_tiny_float32_optimizer_moments_are_not_listed_but_nan_in_them_is(tmp_path: Path) -> None:
+    quiet = ampdoctor.scan(save(_adam_state(4e-11, poison=False), tmp_path / "adam.pt"))
+    assert quiet.verdict == "healthy"
+    assert "values the format cannot hold" not in quiet.to_text()  # autocast never casts optimizer state
+    poisoned = ampdoctor.scan(save(_adam_state(4e-11, poison=True), tmp_path / "nan.pt"))
+    assert poisoned.verdict == "nan"
+    table = poisoned.to_text().split("values the format cannot hold", 1)[1]
+    assert "optimizer.state.0.exp_avg " in table and "exp_avg_sq" not in table

@@ -55,6 +55,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """What tab completion offers: the public names, the lazily imported ones included."""
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
     "AmpDoctorError",
     "CheckpointError",

@@ -26,7 +26,8 @@ class Report(ReportData):
 
     # -- rendering ------------------------------------------------------------------------------------------
     def to_text(self, max_rows: int = 20, *, absolute_paths: bool = False) -> str:
-        """The plain-text report (what ``print(report)`` shows); source paths relative unless ``absolute_paths``."""
+        """The plain-text report (what ``print(report)`` shows). Source lines are named by their file's name; a
+        path the text quotes is relative to the working directory unless ``absolute_paths``."""
         from .text import render_text
 
         return render_text(self._shown(absolute_paths), max_rows=_rows(max_rows))

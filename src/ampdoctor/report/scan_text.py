@@ -347,7 +347,9 @@ def module_table(report: ScanReportData, max_rows: int, name: Callable[[str], st
 def _flagged(report: ScanReportData, t: ScannedTensor) -> bool:
     own = report.storage_format(t.stats.dtype)
     saturated = own is not None and (t.at_max_count or 0) > 1
-    return not t.stats.is_finite or bool(t.overflow_count(report.dtype) or t.flush_count(report.dtype)) or saturated
+    # What a cast would do matters for weights only: autocast never casts an optimizer's or a scaler's state.
+    cast = t.role == "weights" and bool(t.overflow_count(report.dtype) or t.flush_count(report.dtype))
+    return not t.stats.is_finite or cast or saturated
 
 
 def tensor_table(report: ScanReportData, max_rows: int, name: Callable[[str], str] = str) -> Table:
