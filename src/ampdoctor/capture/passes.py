@@ -30,6 +30,7 @@ from .cleanup import cleaned, on_cleanup, uninterrupted
 from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hidden import HiddenWatch, watching
+from .hidden_ops import LOW_NAMES
 from .hooks import Recorder
 from .internal import INTERNAL
 from .op_peaks import op_peaks
@@ -378,13 +379,13 @@ class _Step:
         self.first = dataclasses.replace(
             trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
             autocast=self.autocast_on, op_overflows=overflows, op_peaks=peaks,
+            low_ops=sum(n.dtype in LOW_NAMES for n in self.hidden.nodes) if self.hidden is not None else 0,
         )
         return self.first
 
     @uninterrupted
     def close(self) -> None:
-        """Drop the graph and every hook; put the global state (grad mode, anomaly, emulation) back. Idempotent,
-        and run to its end even when Ctrl-C arrives meanwhile."""
+        """Drop the graph and every hook; put global state (grad mode, anomaly, emulation) back; Ctrl-C waits."""
         self.output = self.loss = None
         try:
             self.recorder.remove()

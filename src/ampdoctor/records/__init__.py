@@ -244,6 +244,7 @@ class PassTrace:
     # (root call, output path) of returned tensors the forward's own ops also consumed (a KV cache): their
     # gradients are partly the model's own, not only the loss's
     used_inside: tuple[tuple[int, str], ...] = ()
+    low_ops: int = 0  # forward ops seen producing the low-precision dtype (inside modules too: x @ W + b)
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
