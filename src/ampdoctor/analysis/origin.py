@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Optional
 
 from ..records import (
@@ -60,8 +60,9 @@ def is_fill_mask(record: TensorRecord) -> bool:
     )
 
 
-def _inputs_finite(call: ModuleCall) -> bool:
-    return not any(_bad(r.stats) and not is_mask(r) for r in call.inputs)
+def _inputs_finite(call: ModuleCall, made_above: Callable[[ModuleCall], bool] = lambda call: False) -> bool:
+    """No non-finite input but masks (``-inf`` from no earlier call, unless an ancestor's own code made it)."""
+    return not any(_bad(r.stats) and (not is_mask(r) or made_above(call)) for r in call.inputs)
 
 
 def _first_bad(records: Iterable[TensorRecord]) -> Optional[TensorRecord]:
@@ -95,7 +96,28 @@ def classify(bad: TensorStats, op: Optional[OpFinding]) -> Verdict:
 
 def forward_creators(trace: PassTrace) -> list[ModuleCall]:
     """Calls whose floating inputs were all finite (masks aside) and some floating output was not."""
-    return [c for c in _bad_output_calls(trace) if c.end_order >= 0 and _inputs_finite(c)]
+    made_above = _made_by_ancestors(trace)
+    return [c for c in _bad_output_calls(trace) if c.end_order >= 0 and _inputs_finite(c, made_above)]
+
+
+def _made_by_ancestors(trace: PassTrace) -> Callable[[ModuleCall], bool]:
+    """Whether an ancestor's own code made inf/NaN from finite values (an op the hidden-overflow watch flagged in
+    it, not a sentinel): a ``-inf`` a child then receives from it is that overflow (``log`` of an underflowed
+    softmax, ``x * -1e5``), not a mask handed in."""
+    makers = {o.call_index for o in trace.op_overflows if o.call_index is not None and o.count != 0}
+    if not makers:
+        return lambda call: False
+    by_index = {c.index: c for c in trace.calls}
+
+    def made(call: ModuleCall) -> bool:
+        parent = call.parent
+        while parent is not None:
+            if parent in makers:
+                return True
+            parent = by_index[parent].parent if parent in by_index else None
+        return False
+
+    return made
 
 
 def _bad_output_calls(trace: PassTrace) -> list[ModuleCall]:
@@ -111,7 +133,8 @@ def forward_origin(trace: PassTrace) -> Optional[Origin]:
         r = bad_batch[0]
         return Origin("forward", BATCH, 0, "batch", r.path, r.stats, None)
     bad_calls = _bad_output_calls(trace)
-    creators = [c for c in bad_calls if c.end_order >= 0 and _inputs_finite(c)]  # forward_creators
+    made_above = _made_by_ancestors(trace)
+    creators = [c for c in bad_calls if c.end_order >= 0 and _inputs_finite(c, made_above)]  # forward_creators
     creator_ids = {c.index for c in creators}
     children = _children(trace.calls) if creators else {}
     op = trace.op_finding
