@@ -59,3 +59,45 @@ class Entries:
 
 
 _MISSING = object()
+
+
+# A module's hook dicts (a forward hook's flags live in dicts of their own, keyed like the hooks).
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+class HookDicts:
+    """The hooks every module held, kept for the modules that held any (most hold none): a one-shot hook that
+    removes itself when it fires (a lazy module's parameter inference too), or a hook a forward registers, would
+    otherwise leave the model's hooks other than they were."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.saved: dict[int, tuple[Any, ...]] = {}
+        for i, module in enumerate(modules):
+            d = module.__dict__
+            if any(d.get(name) for name in _HOOK_DICTS):
+                self.saved[i] = tuple(dict(d[name]) if isinstance(d.get(name), dict) else None for name in _HOOK_DICTS)
+
+    def put_back(self, modules: list[nn.Module]) -> bool:
+        """Every module's hook dicts hold what they held (the same dict objects, their entries put back); True
+        when any had changed."""
+        changed = False
+        for i, module in enumerate(modules):
+            before = self.saved.get(i)
+            d = module.__dict__
+            for k, name in enumerate(_HOOK_DICTS):
+                current = d.get(name)
+                if not isinstance(current, dict):
+                    continue
+                want = before[k] if before is not None else None
+                if want is None:
+                    if current:
+                        current.clear()
+                        changed = True
+                elif current.keys() != want.keys() or any(current[key] is not value for key, value in want.items()):
+                    current.clear()
+                    current.update(want)
+                    changed = True
+        return changed

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from .cleanup import cleaned, on_cleanup, uninterrupted
 from .exclusive import claim_modules
-from .module_entries import Entries, packed
+from .module_entries import Entries, HookDicts, packed
 from .stats import chunks
 
 
@@ -297,6 +297,7 @@ class StateGuard:
         self.classes = [type(m) for m in self.modules]
         self.flags = bytearray(m.training for m in self.modules)
         self.originals = {id(b): b for b in self.buffer_entries.objects if b is not None}
+        self.hooks = HookDicts(self.modules)
         self.params = params
         self.versions = [_version(p) for _, p in params]  # (in the order of params: looked up only after a write)
         # .grad fields set aside for the whole diagnosis and put back by restore(): a backward the model's own code
@@ -399,6 +400,11 @@ class StateGuard:
         for (_, p), grad in zip(self.params, self.grads):
             if p.grad is not grad:
                 p.grad = grad
+        if self.hooks.put_back(self.modules):
+            self.notes.append(
+                "the forward changes module hooks (a hook that removes itself when it fires, one the forward "
+                "registers): the model keeps the hooks it had"
+            )
         after = packed(fingerprints(self._watched()))
         before = self._fingerprints
         changed = self._names([i // 2 for i in range(0, len(after), 2) if after[i : i + 2] != before[i : i + 2]])
