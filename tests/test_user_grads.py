@@ -56,3 +56,18 @@ def test_parameters_made_under_inference_mode_are_diagnosed() -> None:
     report = ampdoctor.diagnose(model, torch.randn(3, 4), loss_fn=_loss, dtype=FP16, progress=False)
     assert report.verdict == "healthy"
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_verify_steps_with_an_optimizer_that_needs_a_closure_is_refused_up_front() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(3e4)  # an overflow: there would be remedies to train
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.LBFGS(model.parameters())
+    try:
+        ampdoctor.diagnose(model, torch.ones(3, 4), dtype=FP16, optimizer=optimizer, verify_steps=2, progress=False)
+    except ampdoctor.InvalidInput as exc:
+        assert "optimizer" in str(exc) and "LBFGS" in str(exc) and "verify_steps=0" in str(exc)
+    else:
+        raise AssertionError("LBFGS with verify_steps was accepted")
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

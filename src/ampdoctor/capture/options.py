@@ -9,6 +9,7 @@ The passes get a :class:`PassOptions` each. The checks here are shared with the 
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import os
@@ -143,6 +144,12 @@ class DiagnoseOptions:
             raise refuse(
                 "optimizer", self.optimizer, "a torch.optim.Optimizer (its type and defaults are reused), or None"
             )
+        if self.verify_steps and self.optimizer is not None and _needs_closure(self.optimizer):
+            raise refuse(
+                "optimizer", self.optimizer,
+                "an optimizer whose step() needs no closure: verify_steps trains under a GradScaler, which cannot step "
+                f"a {type(self.optimizer).__name__} (pass another optimizer=, or verify_steps=0)",
+            )
         margin = self.margin_bits
         if not (isinstance(margin, numbers.Real) and not isinstance(margin, bool) and 0 <= margin <= 8):
             raise refuse("margin_bits", margin, "a number of bits from 0 to 8 (1 means 2x below the format's max)")
@@ -217,3 +224,12 @@ class PassOptions:
 
 
 PLAIN_PASS = PassOptions()  # a survey-level pass without histograms
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer.step`` requires a closure (``LBFGS``), which GradScaler.step refuses."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
