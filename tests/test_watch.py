@@ -149,6 +149,15 @@ def test_the_bundle_replays_to_the_same_origin(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left
 
 
+def test_a_bundle_without_an_output_gradient_replays_the_forward_and_says_why(tmp_path: Path) -> None:
+    doctor, _ = run_forward_overflow(tmp_path, max_output_grad_bytes=0)  # no output gradient kept
+    assert doctor.bundle_path is not None and not load_bundle(doctor.bundle_path).get("output_grads")
+    replayed = replay_bundle(doctor.bundle_path, overflow_model)  # and no loss_fn
+    assert not replayed.trace.backward_ran and replayed.forward_origin.module == "boom"  # type: ignore[union-attr]
+    assert replayed.run.backward_note.startswith("forward only: the bundle holds no gradient")
+    assert "backward=False" not in str(replayed)  # nobody set it
+
+
 def test_without_loss_fn_the_bundle_replays_the_backward_through_the_output_gradient(tmp_path: Path) -> None:
     model = overflow_model()
     scaler = torch.amp.GradScaler("cpu")

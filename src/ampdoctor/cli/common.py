@@ -74,7 +74,7 @@ def add_loading_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="last resort: torch.load(weights_only=False) through ampdoctor's allow-list (warns): admits what "
         "weights_only admits, --allow-global names, torch's data classes (modules, optimizers ...), numpy arrays, "
-        "Python containers, the --model module and --trust packages; refuses every other global while loading",
+        "Python containers, --trust packages (and diagnose's --model module); refuses every other global while loading",
     )
     group.add_argument(
         "--trust",

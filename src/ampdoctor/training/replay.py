@@ -78,6 +78,7 @@ def _replay(
     scale = float(data.get("scale") or 1.0)
     notes: list[str] = []
     replay_loss = bind_loss(loss_fn, _to_device(data.get("targets"), target))
+    asked = backward
     grads = data.get("output_grads")
     if loss_fn is None and backward is not False and isinstance(grads, dict) and grads:
         replay_loss = output_grad_loss(_to_device(grads, target), scale, data.get("loss_value"))
@@ -92,13 +93,19 @@ def _replay(
         root, batch, loss_fn=replay_loss, dtype=low_dtype(str(data.get("dtype"))), device_type=target.type,
         scale=max(scale, MIN_REPLAY_SCALE), backward=backward if backward is not None else loss_fn is not None,
     )
-    report = dataclasses.replace(report, run=dataclasses.replace(report.run, scale_source=_scale_source(data, scale)))
+    run = dataclasses.replace(report.run, scale_source=_scale_source(data, scale))
+    if loss_fn is None and not backward and asked is None:  # nobody set backward=False: say why there was none
+        run = dataclasses.replace(run, backward_note=(
+            "forward only: the bundle holds no gradient the step's loss sent into the model's outputs (not kept, "
+            "or not finite) and no loss_fn was given; pass loss_fn (CLI: --loss pkg.mod:fn) to replay the backward"
+        ))
+    report = dataclasses.replace(report, run=run)
     steps = _step_records(data.get("records"), path)
     where = f"step {data.get('step')}" + (f", rank {data.get('rank')}" if int(data.get("world_size", 1)) > 1 else "")
     notes.insert(0, f"replayed failure bundle {os.fspath(path)} ({where}, scale {fmt_scale(scale)})")
     if data.get("inputs_changed"):
         notes.append("the inputs were modified in place after the failing forward; the bundle holds their later values")
-    if loss_fn is None and not backward:
+    if loss_fn is None and not backward and asked is not None:
         notes.append("forward only: pass loss_fn (CLI: --loss pkg.mod:fn) to replay the backward too")
     return dataclasses.replace(add_notes(report, notes), steps=tuple(steps))
 
