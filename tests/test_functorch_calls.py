@@ -109,3 +109,27 @@ def test_the_watch_leaves_a_module_called_by_vmap_unmeasured_and_keeps_watching(
     assert not [n for n in report.run.notes if "error" in n]
     assert all(set(step.out_abs_max) == {"", "head"} for step in report.steps)
     assert "forward" not in vars(model.inner) and "forward" not in vars(model.head)
+
+
+class HidesInsideVmap(nn.Module):
+    """An overflow made and hidden inside ``vmap`` (``r * 1e5`` clamped): the module's outputs stay finite."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * vmap(lambda r: (r * self.factor).clamp(-1, 1))(y)
+
+
+def test_a_healthy_verdict_with_unmeasured_transform_ops_says_how_far_it_goes() -> None:
+    for factor in (2.0, 1e5):  # a hidden overflow inside the transform cannot be seen: the warning says so
+        torch.manual_seed(0)
+        report = ampdoctor.diagnose(HidesInsideVmap(factor), torch.randn(4, W), loss_fn=lambda o, _: o.float().mean(),
+                                    dtype=torch.float16, progress=False)
+        assert report.verdict == "healthy"
+        (warning,) = [w for w in report.findings.warnings if w.startswith("healthy as far as measured: ")]
+        assert "2 module call(s) and op(s) ran inside a torch.func transform" in warning
+        assert report.trace.unmeasured == 2

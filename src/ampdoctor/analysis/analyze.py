@@ -93,6 +93,11 @@ def analyze(
             f"{len(beyond)} parameter(s) hold values beyond the {limits.dtype} range: {shown}; every {limits.dtype} "
             "op that autocast feeds them to gets inf"
         )
+    if trace.unmeasured and verdict == "healthy":
+        warnings.append(
+            f"healthy as far as measured: {trace.unmeasured} module call(s) and op(s) ran inside a torch.func "
+            "transform (vmap, grad), where their values cannot be read; an overflow a later op hid there is not seen"
+        )
     frozen = untrained_under_no_grad(trace, modules)
     if frozen:
         warnings.append(

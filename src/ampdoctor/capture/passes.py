@@ -225,10 +225,9 @@ class _Step:
         )
 
     def cheap_to_keep(self) -> bool:
-        """Keeping the graph through the backward costs about the activation gradients in flight at its end
-        (a backward frees saved tensors as it goes; a kept graph does not); a pass never holds the parameter
-        gradients that a training step does. Keep it when those gradients outweigh a few of the largest recorded
-        tensors (a large embedding or many weights); re-run the forward instead where activations dominate."""
+        """Keeping the graph through the backward costs about the activation gradients in flight at its end (a
+        backward frees saved tensors as it goes); a pass never holds the parameter gradients a training step does.
+        Keep it when those outweigh a few of the largest recorded tensors; else re-run the forward."""
         largest = max((self.collector.nbytes(slot) for c in self.recorder.calls for _, slot, _ in c.outputs), default=0)
         grads = sum(p.numel() * 4 for _, p in self.spec.params if p.requires_grad)
         return KEEP_FACTOR * largest <= grads
@@ -380,6 +379,7 @@ class _Step:
             trace, op_finding=finding, backward_op_finding=backward_finding, comparisons=comparisons, notes=notes,
             autocast=self.autocast_on, op_overflows=overflows, op_peaks=peaks,
             low_ops=sum(n.dtype in LOW_NAMES for n in self.hidden.nodes) if self.hidden is not None else 0,
+            unmeasured=recorder.transformed_calls + (self.hidden.transformed_ops if self.hidden else 0),
         )
         return self.first
 

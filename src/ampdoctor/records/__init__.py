@@ -245,6 +245,7 @@ class PassTrace:
     # gradients are partly the model's own, not only the loss's
     used_inside: tuple[tuple[int, str], ...] = ()
     low_ops: int = 0  # forward ops seen producing the low-precision dtype (inside modules too: x @ W + b)
+    unmeasured: int = 0  # module calls and ops inside torch.func transforms (vmap): their values not measured
 
     def param_grads(self) -> dict[str, TensorStats]:
         return {e.param: e.stats for e in self.grad_events if e.kind == "param" and e.param is not None}
