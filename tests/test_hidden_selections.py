@@ -36,6 +36,11 @@ def _index_put_accumulate(y: torch.Tensor) -> torch.Tensor:
     return torch.zeros(1, 8, dtype=y.dtype).index_put_(index, y.clamp(-1, 1) * 6e4, accumulate=True)
 
 
+def _scatter_add(y: torch.Tensor) -> torch.Tensor:
+    index = torch.zeros(4, 8, dtype=torch.long)
+    return torch.zeros(1, 8, dtype=y.dtype).scatter_add_(0, index, y.clamp(-1, 1) * 6e4)
+
+
 class Hides(nn.Module):
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
@@ -60,7 +65,8 @@ def _loss(out: Any, _batch: Any) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("fn", "op"),
-    [(_copy, "copy"), (_setitem, "setitem"), (_index_add, "index_add"), (_index_put_accumulate, "index_put")],
+    [(_copy, "copy"), (_setitem, "setitem"), (_index_add, "index_add"), (_index_put_accumulate, "index_put"),
+     (_scatter_add, "scatter_add")],
 )
 def test_a_selection_that_makes_inf_is_a_hidden_overflow(fn: Callable[[torch.Tensor], torch.Tensor], op: str) -> None:
     torch.manual_seed(0)
