@@ -66,6 +66,9 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 
 
+_HOOK_LISTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
 class HookDicts:
     """The hooks every module held, kept for the modules that held any (most hold none): a one-shot hook that
     removes itself when it fires (a lazy module's parameter inference too), or a hook a forward registers, would
@@ -84,9 +87,12 @@ class HookDicts:
         """Every module's hook dicts hold what they held (the same dict objects, their entries put back); True
         when any had changed."""
         changed = False
+        saved = self.saved
         for i, module in enumerate(modules):
-            before = self.saved.get(i)
+            before = saved.get(i)
             d = module.__dict__
+            if before is None and not any(d.get(name) for name in _HOOK_LISTS):
+                continue  # (the flags' dicts hold entries only beside a hook of these)
             for k, name in enumerate(_HOOK_DICTS):
                 current = d.get(name)
                 if not isinstance(current, dict):
