@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import math
 import re
 import sys
 import traceback
@@ -165,7 +166,7 @@ class _Zoom(TorchDispatchMode):
             module=self.module,
             call=self.call,
             input_dtypes=tuple(dtype_name(i.t.dtype) for i in op.inputs),
-            input_abs_max=tuple(f[3] if f[4] else None for f in written.inputs),
+            input_abs_max=tuple(_abs_max(f) for f in written.inputs),
             output_dtype=dtype_name(written.tensors[0].dtype),
             output_nan_count=int(sum(f[0] for f in written.flags)),
             output_posinf_count=int(sum(f[1] for f in written.flags)),
@@ -331,3 +332,13 @@ def _op_name(func: Any) -> str:
     overload = getattr(func, "_overloadname", "default")
     return name if overload in ("default", "") else f"{name}.{overload}"
 
+
+def _abs_max(flags: Flags) -> Optional[float]:
+    """An operand's largest magnitude as the report shows it: inf when it holds an inf (a saved forward value an
+    overflow made), else NaN when it holds one, else its largest finite |x|; None for an empty operand."""
+    nan, posinf, neginf, largest, finite = flags
+    if posinf or neginf:
+        return math.inf
+    if nan:
+        return math.nan
+    return largest if finite else None
