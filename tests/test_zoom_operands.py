@@ -29,4 +29,4 @@ def test_a_saved_operand_holding_inf_reads_inf() -> None:
     assert origin.op.input_abs_max[1] == math.inf  # exp's saved output
     assert origin.op.input_abs_max[0] is not None and math.isfinite(origin.op.input_abs_max[0])
     assert "float16 |x|max inf) -> float16 in autograd node ExpBackward0" in report.to_text()
-    assert ampdoctor.Report.from_json(report.to_json()) == report
+    assert ampdoctor.Report.from_json(report.to_json(absolute_paths=True)) == report
