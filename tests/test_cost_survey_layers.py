@@ -225,3 +225,36 @@ def test_ctrl_c_right_after_a_tensor_hook_is_hung_leaves_nothing_behind(
     monkeypatch.undo()
     assert calls[0] >= at
     assert differences(before, state_of(model)) == []
+
+
+class SharedThenWritten(nn.Module):
+    """Two children register one shared buffer; a third child's buffer is written through a plain attribute that
+    aliases it (numpy: no torch op), so the user's own tensor changes and only the fingerprints can tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = torch.ones(2)
+        self.a, self.b, self.c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+        self.a.register_buffer("shared", shared)
+        self.b.register_buffer("shared", shared)
+        self.c.register_buffer("target", torch.zeros(2))
+        self.__dict__["alias"] = self.c.target  # not a registered buffer: the pass does not swap it
+        self.done = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.done:
+            self.done = True
+            self.__dict__["alias"].numpy()[0] = 7.0
+        return self.c(self.b(self.a(x)))
+
+
+def test_a_changed_buffer_is_named_by_its_own_qualified_name_after_a_shared_one() -> None:
+    model = SharedThenWritten()
+    spec = pass_spec(model, torch.randn(2, 2))
+    guard = StateGuard(model, spec.params)
+    try:
+        run_pass(spec, 1.0, PassOptions(), guard)
+    finally:
+        guard.restore()
+    (note,) = [n for n in guard.notes if "NOT restored" in n]
+    assert note.startswith("buffer c.target changed during the diagnosis")
