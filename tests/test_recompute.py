@@ -226,3 +226,24 @@ def test_a_named_module_inside_another_is_recomputed_with_it() -> None:
         assert (held.calls, held.reruns) == (2, 2)
         assert (helper.calls, helper.hits, helper.misses) == (3, 2, 1)  # blocks.0's own code has no matmul
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_reentrant_checkpoint_of_a_function_without_modules_is_diagnosed() -> None:
+    """``checkpoint(lambda t: ..., h, use_reentrant=True)``: no module call runs under no_grad, but the forward
+    switched grad off, and torch.autograd.grad would refuse the graph; the backward goes through .backward()."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Lambda(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(checkpoint(lambda t: torch.relu(t) * 2, self.a(x), use_reentrant=True))
+
+    torch.manual_seed(0)
+    model = Lambda()
+    report = ampdoctor.diagnose(model, torch.randn(4, 8), loss_fn=lambda o, _: o.float().mean() * 1e-3,
+                                dtype=torch.float16, progress=False)
+    assert report.verdict == "healthy" and report.trace.backward_ran
+    assert all(p.grad is None for p in model.parameters())

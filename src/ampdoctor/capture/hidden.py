@@ -67,6 +67,7 @@ from .zoom import innermost_user_line
 __all__ = ["MAX_CONSUMERS", "HiddenWatch", "Paused", "counted_op", "op_info", "targets_of", "watching"]
 
 _DisableTorchFunction = torch._C.DisableTorchFunction
+_SET_GRAD_ENABLED = torch._C._set_grad_enabled
 
 # How many consumers of one op's values are followed when looking for what hid them.
 MAX_CONSUMERS = 4
@@ -98,8 +99,7 @@ class _Node:
 
 
 class Paused:
-    """``with watch.paused:`` takes the watch off the mode stack for the block when it is on top (ampdoctor's
-    own hooks: their many tensor reads then cost no trip through the mode), and puts it back. Reentrant."""
+    """``with watch.paused:`` takes the watch off the mode stack while it is on top (ampdoctor's own reads)."""
 
     __slots__ = ("watch", "_popped")
 
@@ -138,6 +138,7 @@ class HiddenWatch(TorchFunctionMode):
         self.values: list[Any] = []
         self._count = 0  # values queued, pairs counted as two
         self.transformed_ops = 0  # ops inside a torch.func transform (vmap, grad): not watched
+        self.grad_disabled = False  # the forward switched grad off somewhere (torch.no_grad)
         self.error: Optional[str] = None
         self._where: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, ...]]] = {}
         self._occurrences: dict[tuple[Optional[int], str], int] = {}
@@ -173,7 +174,8 @@ class HiddenWatch(TorchFunctionMode):
             outs = out
         elif out is None and getattr(func, "__name__", "") == "__setitem__" and args:
             outs = (args[0],)  # ``x[mask] = -inf`` writes into x
-        else:
+        else:  # (no_grad in the forward: a reentrant checkpoint's region, which only .backward() differentiates)
+            self.grad_disabled = self.grad_disabled or (func is _SET_GRAD_ENABLED and args == (False,))
             return out
         depth = getattr(_internal, "depth", 0)
         if depth:  # ampdoctor's own work (capture.stats.measuring)
@@ -396,8 +398,7 @@ class HiddenWatch(TorchFunctionMode):
                 (collector.add_vector(torch.stack([flat[i] for i in where])), where) for where in groups.values()
             ]
         self.values = []  # the collector holds them now (0-d tensors, no activation)
-        # What only the forward needed (which node made each live tensor, occurrences per call and op): an entry
-        # per op, freed before the backward rather than with the pass.
+        # What only the forward needed (an entry per op): freed before the backward rather than with the pass.
         self._where = {}
         self._occurrences = {}
 

@@ -327,7 +327,7 @@ class _Step:
             try:
                 zoom = self.back_zoom if self.back_zoom is not None else contextlib.nullcontext()
                 with RecursionRoom(spec.root, self.depth), zoom:  # checkpointed regions re-run their forward in here
-                    if recorder.ran_without_grad:
+                    if recorder.ran_without_grad or (self.hidden is not None and self.hidden.grad_disabled):
                         # A reentrant checkpoint runs its region's backward with .backward() inside, which
                         # refuses autograd.grad: take the gradients with .backward() on set-aside .grads.
                         _backward_keeping_grads(scaled, [p for _, p in spec.params])
