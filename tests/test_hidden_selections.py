@@ -102,3 +102,32 @@ def test_selections_that_only_move_values_are_not_flagged(fn: Callable[[torch.Te
     torch.manual_seed(0)
     report = ampdoctor.diagnose(Hides(fn), torch.randn(4, 8), loss_fn=_loss, dtype=FP16, progress=False)
     assert not report.findings.hidden
+
+
+class FillsRows(nn.Module):
+    """A float16 buffer from ``empty`` (stale bytes: some read as inf/NaN) filled row by row with float32 values,
+    as a cache update loop does; ``scale`` makes the last row overflow when cast down."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        buf = torch.empty(4, 8, dtype=y.dtype)
+        buf.view(torch.int16).fill_(0x7C00)  # the stale bytes: +inf everywhere until written
+        for row in range(4):
+            buf[row] = y[row].float() * (self.scale if row == 3 else 1.0)
+        return y * buf.clamp(-1, 1)
+
+
+def test_a_row_written_into_an_empty_buffer_is_judged_on_what_was_written() -> None:
+    torch.manual_seed(0)
+    quiet = ampdoctor.diagnose(FillsRows(1.0), torch.randn(4, 8), loss_fn=_loss, dtype=FP16, progress=False)
+    assert not quiet.findings.hidden  # the buffer's unwritten inf is no op's
+    model, x = FillsRows(1e6), torch.randn(4, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=FP16):
+        made = int(torch.isinf((model.lin(x)[3].float() * 1e6).half()).sum())
+    loud = ampdoctor.diagnose(model, x, loss_fn=_loss, dtype=FP16, progress=False)
+    assert [(h.op, h.count) for h in loud.findings.hidden] == [("setitem", made)]

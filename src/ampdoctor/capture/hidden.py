@@ -124,9 +124,8 @@ class Paused:
 
 
 class HiddenWatch(TorchFunctionMode):
-    """The forward-only mode (see the module docstring). ``recorder`` says which module call is running
-    (:class:`~ampdoctor.capture.hooks.Recorder`); ``targets`` are (module, call, op, occurrence) keys of ops to
-    count, classify and locate. Never raises inside the user's forward: the first failure is kept in ``error``."""
+    """The forward-only mode (see the module docstring). ``recorder`` says which module call runs; ``targets``: keys
+    of ops to count, classify and locate. Never raises in the user's forward: the first failure is ``error``."""
 
     def __init__(self, recorder: Any, targets: frozenset[tuple[str, int, str, int]] = frozenset()) -> None:
         super().__init__()
@@ -223,12 +222,15 @@ class HiddenWatch(TorchFunctionMode):
                 elif isinstance(a, (list, tuple)):
                     sources += [s for v in a if isinstance(v, torch.Tensor) for s in self._source(v)]
         inputs = tuple(sources) if len(sources) < 2 else tuple(dict.fromkeys(sources))
+        written = tensors  # what its values are measured on
         if category == CAST:
             category = resolved(category, tensors, args)
         elif category == SELECT and selection_makes(name, tensors[0].dtype, args, kwargs):
             category = MAKE  # ``where(mask, x, -1e9)``, ``cache.copy_(wide)`` in float16: they make the overflow
-            wide = copied_from(name, args, kwargs)  # its values measured: a -inf it holds is passed on, not made
-            inputs += self._measured(wide) if wide is not None else ()
+            wide = copied_from(name, args, kwargs)  # measured itself (a -inf it holds is passed on, not made), and
+            if wide is not None:  # what it became when written: not the whole buffer (an empty()'s stale bytes)
+                inputs += self._measured(wide)
+                written = [wide.detach().to(tensors[0].dtype)]
         if category == VIEW:
             for t in tensors:
                 self._remember(t, inputs)
@@ -247,7 +249,7 @@ class HiddenWatch(TorchFunctionMode):
             consumers = nodes[i].consumers
             if len(consumers) < MAX_CONSUMERS:
                 consumers.append(node_id)
-        low = [t for t in tensors if t.dtype in LOW_DTYPES and t.numel()]
+        low = [t for t in written if t.dtype in LOW_DTYPES and t.numel()]
         if low:
             self._measure(node, low)
             if category == ARITH or name in ELEMENTWISE:
@@ -303,10 +305,9 @@ class HiddenWatch(TorchFunctionMode):
         self._count += 2 * len(tensors)
 
     def _measure_unmasked(self, node: _Node, out: torch.Tensor, args: Any, inplace: bool) -> None:
-        """Elementwise arithmetic with an operand that may hold an intentional mask (``scores + mask``, the mask a
-        fill or an input the watch did not see made; or ``scores * scale`` after such an op carried it on): one
-        more fused reduction, of the output where those operands are finite, so that an inf the op made beside
-        the mask's own -inf is not taken for the mask passed on."""
+        """An elementwise op with an operand that may hold an intentional mask (``scores + mask``: a fill or an
+        unseen input; ``scores * scale`` after such an op carried it on): one more reduction, of the output where
+        those operands are finite, so that an inf made beside the mask's -inf is not taken for the mask."""
         keep: Optional[torch.Tensor] = None
         masks: list[int] = []
         for i, a in enumerate(args[:2]):
@@ -374,9 +375,8 @@ class HiddenWatch(TorchFunctionMode):
 
     # -- the readback ---------------------------------------------------------------------------------------
     def queue(self, collector: Any, output: Any = None) -> None:
-        """Hand the queued values to ``collector`` (a StatsCollector) for the pass's single readback: one stacked
-        vector per (device, dtype), so reading them back converts a few tensors, not one per op. First, which of
-        the forward's ``output`` the model read itself (the recorder's ``used_inside``: outputs_inside)."""
+        """Hand the queued values to ``collector`` for the pass's single readback (one stacked vector per device
+        and dtype); first, which of ``output`` the model read itself (the recorder's ``used_inside``)."""
         if output is not None:
             self.recorder.used_inside = outputs_used_inside(self, output)
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
