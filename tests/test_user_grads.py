@@ -3,6 +3,8 @@ an auxiliary inner loss), and parameters made under ``torch.inference_mode()``: 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -71,3 +73,37 @@ def test_verify_steps_with_an_optimizer_that_needs_a_closure_is_refused_up_front
     else:
         raise AssertionError("LBFGS with verify_steps was accepted")
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_guard_that_fails_to_start_loses_no_grad_and_claims_nothing(monkeypatch: Any) -> None:
+    import ampdoctor.capture.state as state
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    real = state.fingerprints
+    monkeypatch.setattr(state, "fingerprints", lambda tensors: (_ for _ in ()).throw(MemoryError("out of memory")))
+    try:
+        ampdoctor.diagnose(model, torch.randn(3, 4), loss_fn=_loss, dtype=FP16, progress=False)
+    except MemoryError:
+        pass
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    monkeypatch.setattr(state, "fingerprints", real)
+    ampdoctor.diagnose(model, torch.randn(3, 4), loss_fn=_loss, dtype=FP16, progress=False)  # not left claimed
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+
+
+def test_a_sparse_parameters_fingerprint_moves_with_its_values_and_indices() -> None:
+    from ampdoctor.capture.state import fingerprints
+
+    coo = torch.eye(4).to_sparse().coalesce()
+    before = fingerprints([coo])
+    coo._values()[1] = 3.0
+    after_value = fingerprints([coo])
+    coo._indices()[1, 0] = 2
+    assert before != after_value != fingerprints([coo])
+    csr = torch.eye(4).to_sparse_csr()
+    first = fingerprints([csr])
+    csr.values()[0] = 2.0
+    assert fingerprints([csr]) != first

@@ -171,17 +171,18 @@ def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     blocks: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
     small: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        if t.is_contiguous() and 0 < t.nbytes <= _BATCH_FINGERPRINT_BYTES and t.dtype in _WORDS:
+        sparse = t.layout != torch.strided
+        if not sparse and t.is_contiguous() and 0 < t.nbytes <= _BATCH_FINGERPRINT_BYTES and t.dtype in _WORDS:
             device = t.device
             if device.type != "meta":
                 small.setdefault((device, t.dtype), []).append(i)
                 continue
-        flat = t.detach()
-        total = torch.zeros(2, dtype=torch.int64, device=flat.device)
-        if flat.numel() and not flat.is_complex() and flat.device.type != "meta":
-            for chunk in chunks(flat, _FINGERPRINT_CHUNK):
-                total += _checksums(chunk)
-        blocks.setdefault(flat.device, []).append(([i], total.reshape(1, 2)))
+        total = torch.zeros(2, dtype=torch.int64, device=t.device)
+        for flat in _sparse_parts(t.detach()) if sparse else (t.detach(),):
+            if flat.numel() and not flat.is_complex() and flat.device.type != "meta":
+                for chunk in chunks(flat, _FINGERPRINT_CHUNK):
+                    total += _checksums(chunk)
+        blocks.setdefault(t.device, []).append(([i], total.reshape(1, 2)))
     for (device, _), at in small.items():
         for start in range(0, len(at), _BATCH_TENSORS):
             part = at[start : start + _BATCH_TENSORS]
@@ -205,6 +206,15 @@ _WORDS = {
                   torch.int32, torch.int64, torch.bool, *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2")
                                                               if hasattr(torch, n)))
 }
+
+
+def _sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dense tensors a sparse one is stored as (indices and values): a write to either moves its fingerprint."""
+    if t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    return (t.ccol_indices(), t.row_indices(), t.values())
 
 
 def _batched_checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -300,13 +310,7 @@ class StateGuard:
         self.hooks = HookDicts(self.modules)
         self.params = params
         self.versions = [_version(p) for _, p in params]  # (in the order of params: looked up only after a write)
-        # .grad fields set aside for the whole diagnosis and put back by restore(): a backward the model's own code
-        # runs (a forward or loss_fn calling .backward()) accumulates into fresh tensors, never into the user's,
-        # and leaves nothing where there was None.
-        self.grads = [p.grad for _, p in params]
-        for (_, p), grad in zip(params, self.grads):
-            if grad is not None:
-                p.grad = None
+        self.grads = [p.grad for _, p in params]  # (set aside below, once restore() is owned)
         # Parameters by storage (copy-on-write): sorted storage keys, and the index in params of the first
         # parameter on each (a lookup per in-place write of the forward, by bisection).
         keyed = sorted((key, i) for i, (_, p) in enumerate(params) if (key := _storage_key(p)) is not None)
@@ -315,9 +319,19 @@ class StateGuard:
         self.storage_params = array.array("q", [i for _, i in firsts])
         self.saved: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self.notes: list[str] = []
-        self._fingerprints = packed(fingerprints(self._watched()))
+        try:
+            self._fingerprints = packed(fingerprints(self._watched()))
+        except BaseException:
+            self._release()  # nothing was changed yet: the model is not left claimed either
+            raise
         # The diagnosis's cleanup owner puts everything back even when Ctrl-C cuts the diagnosis short.
         self._undo: Optional[Callable[[], None]] = on_cleanup(self.restore)
+        # .grad fields set aside for the whole diagnosis and put back by restore(): a backward the model's own code
+        # runs (a forward or loss_fn calling .backward()) accumulates into fresh tensors, never into the user's,
+        # and leaves nothing where there was None.
+        for (_, p), grad in zip(params, self.grads):
+            if grad is not None:
+                p.grad = None
 
     def _watched(self) -> list[torch.Tensor]:
         return [p for _, p in self.params] + list(self.originals.values())
