@@ -75,3 +75,42 @@ def test_a_mask_the_parent_fills_is_still_a_mask_for_the_child() -> None:
     report = ampdoctor.diagnose(MaskedParent(), torch.randn(4, 8), loss_fn=_loss, dtype=FP16, progress=False)
     origin = report.findings.forward_origin
     assert origin is not None and origin.module == "scores"
+
+
+class OverflowingAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = (self.q(x) @ self.k(x).transpose(-1, -2)) * 1e6 + mask  # the real origin
+        return scores.float().softmax(-1).to(x.dtype) @ x
+
+
+class GatedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.side = nn.Linear(8, 8)
+        self.attn = OverflowingAttention()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        gate = (self.side(x) * 1e5).clamp(-1.0, 1.0)  # an unrelated overflow of the block's own, hidden
+        return self.attn(x, mask) * gate
+
+
+class MaskingRoot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = GatedBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.full((x.shape[0], x.shape[0]), float("-inf"), dtype=FP16).triu(1)  # the root's mask
+        return self.block(x, mask)
+
+
+def test_a_mask_handed_down_through_a_parent_with_its_own_overflow_is_still_a_mask() -> None:
+    torch.manual_seed(0)
+    report = ampdoctor.diagnose(MaskingRoot(), torch.randn(5, 8), loss_fn=_loss, dtype=FP16, progress=False,
+                                verify=False)
+    origin = report.findings.forward_origin
+    assert origin is not None and origin.module == "block.attn"

@@ -60,9 +60,11 @@ def is_fill_mask(record: TensorRecord) -> bool:
     )
 
 
-def _inputs_finite(call: ModuleCall, made_above: Callable[[ModuleCall], bool] = lambda call: False) -> bool:
+def _inputs_finite(
+    call: ModuleCall, made_above: Callable[[ModuleCall, TensorRecord], bool] = lambda call, record: False
+) -> bool:
     """No non-finite input but masks (``-inf`` from no earlier call, unless an ancestor's own code made it)."""
-    return not any(_bad(r.stats) and (not is_mask(r) or made_above(call)) for r in call.inputs)
+    return not any(_bad(r.stats) and (not is_mask(r) or made_above(call, r)) for r in call.inputs)
 
 
 def _first_bad(records: Iterable[TensorRecord]) -> Optional[TensorRecord]:
@@ -100,22 +102,21 @@ def forward_creators(trace: PassTrace) -> list[ModuleCall]:
     return [c for c in _bad_output_calls(trace) if c.end_order >= 0 and _inputs_finite(c, made_above)]
 
 
-def _made_by_ancestors(trace: PassTrace) -> Callable[[ModuleCall], bool]:
-    """Whether an ancestor's own code made inf/NaN from finite values (an op the hidden-overflow watch flagged in
-    it, not a sentinel): a ``-inf`` a child then receives from it is that overflow (``log`` of an underflowed
-    softmax, ``x * -1e5``), not a mask handed in."""
+def _made_by_ancestors(trace: PassTrace) -> Callable[[ModuleCall, TensorRecord], bool]:
+    """Whether the ancestor whose own code handed a mask-like input to a call made inf/NaN from finite values
+    (an op the hidden-overflow watch flagged in it, not a sentinel): the ``-inf`` is then that overflow (``log``
+    of an underflowed softmax, ``x * -1e5``), not a mask. The ancestor is the first one up that did not receive
+    the same values itself (a mask the root builds and hands down through blocks is the root's)."""
     makers = {o.call_index for o in trace.op_overflows if o.call_index is not None and o.count != 0}
     if not makers:
-        return lambda call: False
+        return lambda call, record: False
     by_index = {c.index: c for c in trace.calls}
 
-    def made(call: ModuleCall) -> bool:
-        parent = call.parent
-        while parent is not None:
-            if parent in makers:
-                return True
-            parent = by_index[parent].parent if parent in by_index else None
-        return False
+    def made(call: ModuleCall, record: TensorRecord) -> bool:
+        owner = by_index.get(call.parent) if call.parent is not None else None
+        while owner is not None and any(r.stats == record.stats for r in owner.inputs):
+            owner = by_index.get(owner.parent) if owner.parent is not None else None
+        return owner is not None and owner.index in makers
 
     return made
 
