@@ -49,3 +49,18 @@ def test_a_hook_the_forward_registers_is_not_left_behind() -> None:
     model = Registers()
     ampdoctor.diagnose(model, torch.randn(3, 4), loss_fn=_loss, dtype=FP16, progress=False)
     assert not model.lin._forward_hooks
+
+
+def test_every_pass_meets_the_one_shot_hook_the_survey_met() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def scale_once(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        handle.remove()
+        return out * 1e6  # overflows float16: the step's origin, in every pass
+
+    handle = model[0].register_forward_hook(scale_once)
+    report = ampdoctor.diagnose(model, torch.randn(3, 4), loss_fn=_loss, dtype=FP16, progress=False)
+    assert report.verdict == "overflow" and report.trace.detailed  # the re-run saw what the survey saw
+    assert not [n for n in report.run.notes if n.startswith("the step is not the same twice")]
+    assert len(model[0]._forward_hooks) == 1  # and it is there for the user's step
