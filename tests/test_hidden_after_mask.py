@@ -80,3 +80,35 @@ def test_the_mask_passed_on_through_scaling_and_softmax_is_no_overflow() -> None
     report = ampdoctor.diagnose(model, (torch.randn(1, 4, 8), _causal()), loss_fn=_loss, dtype=FP16, progress=False)
     assert report.verdict == "healthy"
     assert not report.findings.hidden
+
+
+class CatChain(nn.Module):
+    """A concatenation (which may hold a mask) fed through a long chain of elementwise ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.lin(x), self.lin(x)], -1)
+        for _ in range(10):
+            h = torch.tanh(h * 1.01 + 0.1)
+        return h
+
+
+def test_a_possible_mask_is_followed_three_elementwise_ops_deep_and_no_further(monkeypatch: Any) -> None:
+    from ampdoctor.capture.hidden import HiddenWatch
+
+    measured: list[str] = []
+    original = HiddenWatch._measure_unmasked
+
+    def counting(self: HiddenWatch, node: Any, *args: Any) -> None:
+        original(self, node, *args)
+        if node.unmasked >= 0:
+            measured.append(node.name)
+
+    monkeypatch.setattr(HiddenWatch, "_measure_unmasked", counting)
+    torch.manual_seed(0)
+    report = ampdoctor.diagnose(CatChain(), torch.randn(4, 8), loss_fn=_loss, dtype=FP16, progress=False)
+    assert report.verdict == "healthy"
+    assert measured == ["mul", "add", "tanh"]  # each extra reduction costs the op's size: bounded per mask

@@ -190,7 +190,6 @@ class HiddenWatch(TorchFunctionMode):
             _internal.depth = 0
         return out
 
-    # -- the hot path ---------------------------------------------------------------------------------------
     def _see(self, func: Any, args: Any, kwargs: Any, outs: Sequence[Any]) -> None:
         name, called, category, inplace = op_info(func)
         if len(outs) == 1:  # the common case, without a comprehension
@@ -305,19 +304,15 @@ class HiddenWatch(TorchFunctionMode):
         self._count += 2 * len(tensors)
 
     def _measure_unmasked(self, node: _Node, out: torch.Tensor, args: Any, inplace: bool) -> None:
-        """An elementwise op with an operand that may hold an intentional mask (``scores + mask``: a fill or an
-        unseen input; ``scores * scale`` after such an op carried it on): one more reduction, of the output where
-        those operands are finite, so that an inf made beside the mask's -inf is not taken for the mask."""
+        """An elementwise op on a possible mask (``scores + mask``, then ``* scale``): one more reduction, of the
+        output where those operands are finite (an inf made beside the mask's -inf is no mask)."""
         keep: Optional[torch.Tensor] = None
         masks: list[int] = []
         for i, a in enumerate(args[:2]):
             if (inplace and i == 0) or not isinstance(a, torch.Tensor) or a.dtype not in LOW_DTYPES:
                 continue
             found = self._where.get(id(a))
-            if found is None or found[0]() is not a or not found[1]:
-                continue
-            if not all(self.nodes[s].category == INPUT or self.nodes[s].name in MASK_FILLS or self.nodes[s].masks
-                       for s in found[1]):
+            if found is None or found[0]() is not a or not found[1] or not all(map(self._mask_like, found[1])):
                 continue
             masks.extend(found[1])
             finite = torch.isfinite(a.detach())
@@ -328,6 +323,12 @@ class HiddenWatch(TorchFunctionMode):
         node.unmasked = self._count
         self.values.append(torch.aminmax(torch.where(keep, out.detach(), 0)))
         self._count += 2
+
+    def _mask_like(self, source: int, steps: int = 2) -> bool:
+        """A fill or an unseen input, or up to ``steps`` elementwise ops on one (bounded: each costs a reduction)."""
+        n = self.nodes[source]
+        direct = n.category == INPUT or n.name in MASK_FILLS
+        return direct or (steps > 0 and bool(n.masks) and all(self._mask_like(m, steps - 1) for m in n.masks))
 
     def _remember(self, t: torch.Tensor, nodes: tuple[int, ...]) -> None:
         try:
@@ -373,7 +374,6 @@ class HiddenWatch(TorchFunctionMode):
         del finite
         node.location = innermost_user_line()
 
-    # -- the readback ---------------------------------------------------------------------------------------
     def queue(self, collector: Any, output: Any = None) -> None:
         """Hand the queued values to ``collector`` for the pass's single readback (one stacked vector per device
         and dtype); first, which of ``output`` the model read itself (the recorder's ``used_inside``)."""
