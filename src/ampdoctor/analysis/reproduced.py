@@ -1,6 +1,6 @@
 """Whether a re-run of the step saw what the survey saw: a diagnosis rewinds the RNG streams, buffers and
 parameters before every pass, so the same step runs again bit for bit, unless the model draws on state it does
-not rewind (a ``torch.Generator`` of its own, a Python attribute its forward changes, the time). A report built on
+not rewind (a Python attribute its forward changes, a hook that removes itself, the time). A report built on
 a re-run that no longer shows the survey's inf/NaN would call the step healthy."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ def unreproduced(survey: PassTrace, rerun: PassTrace, same_scale: bool) -> str:
         return ""
     return (
         f"the step is not the same twice: a re-run did not reproduce the survey ({'; '.join(differences)}). The "
-        "model draws on state ampdoctor does not rewind between passes (a torch.Generator of its own, a Python "
-        "attribute its forward changes, the clock); this report stands on the survey, the step as it first ran, "
-        "and what re-runs prove (remedies, scales) may not hold for it"
+        "model draws on state ampdoctor does not rewind between passes (a Python attribute its forward changes, a "
+        "hook that removes itself when it fires, the clock); this report stands on the survey, the step as it "
+        "first ran, and what re-runs prove (remedies, scales) may not hold for it"
     )
 
 

@@ -310,7 +310,6 @@ class StateGuard:
         copies = {key: b.detach().clone() for key, b in self.originals.items()}
         self._put_buffers(copies)
         self._put_training()
-        self._put_hooks()
 
     @uninterrupted
     def restore(self) -> None:
@@ -351,9 +350,10 @@ class StateGuard:
         return [self.params[i][0] if i < count else buffers.get(id(watched[i]), "a buffer") for i in indices]
 
     def _put_hooks(self) -> None:
-        """The module hooks as they were: before every pass too, so each re-run meets the hooks the survey met."""
+        """The module hooks as they were, at the end only: between passes a remedy's re-run holds hooks of its own
+        (a float32 fallback), which this would take out."""
         note = ("the forward changes module hooks (a hook that removes itself when it fires, one the forward "
-                "registers): each pass started from, and the model keeps, the hooks it had")
+                "registers): the model keeps the hooks it had")
         if self.hooks.put_back(self.modules) and note not in self.notes:
             self.notes.append(note)
 
