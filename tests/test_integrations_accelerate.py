@@ -79,3 +79,21 @@ def test_accelerate_bf16_loop_names_the_log_of_zero(fresh_accelerate: Any) -> No
     assert report.verdict == "nan"
     assert report.forward_origin is not None and report.forward_origin.module == "log"
     assert report.forward_origin.op is not None and report.forward_origin.op.op == "aten::log"
+
+
+def test_verify_steps_unwraps_an_accelerated_optimizer() -> None:
+    """accelerate's AcceleratedOptimizer around the user's optimizer: verify_steps rebuilds the torch optimizer
+    inside it (SGD trains the copy), and refuses one whose step needs a closure (LBFGS) up front."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(3e4)  # an overflow: remedies to train
+    lbfgs = accelerator.prepare(torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(ampdoctor.InvalidInput, match="LBFGS"):
+        ampdoctor.diagnose(model, torch.ones(3, 4), optimizer=lbfgs, verify_steps=2, progress=False)
+    sgd = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.01))
+    report = ampdoctor.diagnose(model, torch.ones(3, 4), optimizer=sgd, verify_steps=2, progress=False)
+    trained = [r.evidence for r in report.recommendations if "steps on the batch with it" in (r.evidence or "")]
+    assert trained and all("(SGD(lr=0.01)," in e for e in trained)

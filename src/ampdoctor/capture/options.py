@@ -148,7 +148,7 @@ class DiagnoseOptions:
             raise refuse(
                 "optimizer", self.optimizer,
                 "an optimizer whose step() needs no closure: verify_steps trains under a GradScaler, which cannot step "
-                f"a {type(self.optimizer).__name__} (pass another optimizer=, or verify_steps=0)",
+                f"a {type(inner_optimizer(self.optimizer)).__name__} (pass another optimizer=, or verify_steps=0)",
             )
         margin = self.margin_bits
         if not (isinstance(margin, numbers.Real) and not isinstance(margin, bool) and 0 <= margin <= 8):
@@ -226,8 +226,16 @@ class PassOptions:
 PLAIN_PASS = PassOptions()  # a survey-level pass without histograms
 
 
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer a training framework wraps (accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``: ``.optimizer``), or ``optimizer`` itself."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer else optimizer
+
+
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """``optimizer.step`` requires a closure (``LBFGS``), which GradScaler.step refuses."""
+    optimizer = inner_optimizer(optimizer)
     try:
         closure = inspect.signature(type(optimizer).step).parameters.get("closure")
     except (TypeError, ValueError):

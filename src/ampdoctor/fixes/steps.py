@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..capture.gradcheck import GradCheck
+from ..capture.options import inner_optimizer
 from ..capture.passes import LossFn, resolve_loss
 from ..capture.walk import call_model
 from ..records import Recommendation
@@ -78,6 +79,7 @@ def parameter_bytes(model: nn.Module) -> int:
 def _optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> tuple[torch.optim.Optimizer, str]:
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer is not None:
+        optimizer = inner_optimizer(optimizer)  # the torch optimizer inside a framework's wrapper
         try:
             rebuilt = type(optimizer)(params, **optimizer.defaults)
             lr = optimizer.defaults.get("lr")
