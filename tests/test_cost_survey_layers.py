@@ -165,16 +165,21 @@ class WritesBehindTorch(nn.Module):
         return self.layers(x)
 
 
-def test_fingerprints_name_what_no_python_level_op_wrote() -> None:
-    torch.manual_seed(0)
-    model = WritesBehindTorch()
-    spec = pass_spec(model, torch.randn(2, 4))
+def _not_restored_notes(model: nn.Module, batch: torch.Tensor) -> tuple[StateGuard, list[str]]:
+    """One survey pass under a state guard, restored: the guard and its notes on what it could not restore."""
+    spec = pass_spec(model, batch)
     guard = StateGuard(model, spec.params)
     try:
         run_pass(spec, 1.0, PassOptions(), guard)
     finally:
         guard.restore()
-    note = next(n for n in guard.notes if "NOT restored" in n)
+    return guard, [n for n in guard.notes if "NOT restored" in n]
+
+
+def test_fingerprints_name_what_no_python_level_op_wrote() -> None:
+    torch.manual_seed(0)
+    model = WritesBehindTorch()
+    guard, (note,) = _not_restored_notes(model, torch.randn(2, 4))
     assert note.startswith("layers.17.bias changed during the diagnosis")
     assert torch.equal(model.count, torch.zeros(3, dtype=torch.float16))  # the pass wrote a copy of the buffer
     # The numpy write is no torch op: the copy-on-write guard never saw it (the bias keeps its new value).
@@ -249,12 +254,5 @@ class SharedThenWritten(nn.Module):
 
 
 def test_a_changed_buffer_is_named_by_its_own_qualified_name_after_a_shared_one() -> None:
-    model = SharedThenWritten()
-    spec = pass_spec(model, torch.randn(2, 2))
-    guard = StateGuard(model, spec.params)
-    try:
-        run_pass(spec, 1.0, PassOptions(), guard)
-    finally:
-        guard.restore()
-    (note,) = [n for n in guard.notes if "NOT restored" in n]
+    _, (note,) = _not_restored_notes(SharedThenWritten(), torch.randn(2, 2))
     assert note.startswith("buffer c.target changed during the diagnosis")
