@@ -202,6 +202,19 @@ def test_a_bad_scale_is_one_line(ckpt: Path, capsys: pytest.CaptureFixture[str],
     assert error_line(capsys).startswith("--scale must be a positive number")
 
 
+@pytest.mark.parametrize(("flag", "value", "said"), [
+    ("--margin-bits", "99", "--margin-bits must be a number of bits from 0 to 8 (1 means 2x), got 99"),
+    ("--margin-bits", "nan", "--margin-bits must be a number of bits from 0 to 8 (1 means 2x), got nan"),
+    ("--verify-steps", "-1", "--verify-steps must be from 0 (off) to 10000, got -1"),
+])
+def test_an_out_of_range_number_is_refused_at_once_by_its_flag(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, said: str
+) -> None:
+    # Refused before the model was built, by the flag's name (it took the model's build and named margin_bits).
+    assert main(diagnose(ckpt, "--model", "no_such_module:factory", flag, value)) == 2
+    assert error_line(capsys) == said
+
+
 def test_allow_global_that_runs_code_is_refused(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["scan", str(ckpt), "--allow-global", "posix.system"]) == 2
     assert error_line(capsys) == (

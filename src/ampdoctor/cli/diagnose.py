@@ -122,7 +122,7 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> None:  # type
         default=1.0,
         metavar="B",
         help="a float32 fallback is verified only when every instance of the fixed mechanism keeps B bits of "
-        "headroom below the format's max in the re-run (default: 1, i.e. 2x)",
+        "headroom below the format's max in the re-run (0 to 8; default: 1, i.e. 2x)",
     )
     parser.add_argument(
         "--underflow-reference",

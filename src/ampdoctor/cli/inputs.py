@@ -99,6 +99,11 @@ def check_arguments(args: argparse.Namespace) -> DiagnoseInputs:
     kwargs = parse_kwargs(args.model_kwargs)
     if args.scale is not None and not (math.isfinite(args.scale) and args.scale > 0):
         raise InvalidInput(f"--scale must be a positive number, got {fmt_scale(args.scale)}")
+    # (the same ranges as diagnose's keywords, said at once and by the flag's name)
+    if not 0 <= args.margin_bits <= 8:
+        raise InvalidInput(f"--margin-bits must be a number of bits from 0 to 8 (1 means 2x), got {args.margin_bits:g}")
+    if not 0 <= args.verify_steps <= 10_000:
+        raise InvalidInput(f"--verify-steps must be from 0 (off) to 10000, got {args.verify_steps}")
     if args.batch:
         check_batch_argument(args.batch)
     selection = parse_selection(args.model_inputs) if args.model_inputs else None
