@@ -107,4 +107,7 @@ def pass_estimate(survey: PassTrace, kind: str) -> int:
 
 
 def describe(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+    """Bytes as a report says them: MiB, KiB, or bytes below one KiB (never "0 KiB" for a limit of 0 or 300 B)."""
+    if n >= 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
