@@ -1,20 +1,15 @@
 """What a pass's state guard (:class:`~.state.StateGuard`) keeps of every module for the whole diagnosis, compactly:
-a model of ten thousand modules would otherwise keep a dict and a tuple per module per kind, and a tuple of two
-integers per fingerprinted tensor (megabytes, all diagnosis long)."""
+a model of ten thousand modules would otherwise keep a dict and a tuple per module per kind (megabytes, all
+diagnosis long)."""
 
 from __future__ import annotations
 
 import array
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
-
-
-def packed(pairs: list[tuple[int, int]]) -> array.array[int]:
-    """Fingerprints kept for the whole diagnosis: 16 bytes a tensor, not a tuple of two integers."""
-    return array.array("q", [v for pair in pairs for v in pair])
 
 
 class Entries:
@@ -50,12 +45,17 @@ class Entries:
 
     def same(self, i: int, current: Mapping[str, Any]) -> bool:
         """``current`` holds the same names and the same objects (by identity: == on tensors compares values)."""
-        names, objects = self.names[i], self.objects[self.starts[i] : self.starts[i + 1]]
-        if len(current) != len(names):
-            return False
-        if tuple(current) == names:  # the common case: same names in the same order
-            return all(map(operator.is_, current.values(), objects))
-        return all(current.get(name, _MISSING) is value for name, value in zip(names, objects))
+        return _holds(current, self.names[i], self.objects[self.starts[i] : self.starts[i + 1]])
+
+
+def _holds(current: Mapping[Any, Any], names: Sequence[Any], objects: Sequence[Any]) -> bool:
+    """``current`` holds exactly these names, each with the same object (by identity: == on tensors compares
+    values)."""
+    if len(current) != len(names):
+        return False
+    if tuple(current) == tuple(names):  # the common case: same names in the same order
+        return all(map(operator.is_, current.values(), objects))
+    return all(current.get(name, _MISSING) is value for name, value in zip(names, objects))
 
 
 _MISSING = object()
@@ -71,8 +71,8 @@ _HOOK_LISTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 
 class HookDicts:
     """The hooks every module held, kept for the modules that held any (most hold none): a one-shot hook that
-    removes itself when it fires (a lazy module's parameter inference too), or a hook a forward registers, would
-    otherwise leave the model's hooks other than they were."""
+    removes itself when it fires, or a hook a forward registers, would otherwise leave the model's hooks other than
+    they were."""
 
     __slots__ = ("saved",)
 
@@ -80,7 +80,7 @@ class HookDicts:
         self.saved: dict[int, tuple[Any, ...]] = {}
         for i, module in enumerate(modules):
             d = module.__dict__
-            if any(d.get(name) for name in _HOOK_DICTS):
+            if any(d.get(name) for name in _HOOK_LISTS):  # (the flags' dicts hold entries only beside a hook)
                 self.saved[i] = tuple(dict(d[name]) if isinstance(d.get(name), dict) else None for name in _HOOK_DICTS)
 
     def put_back(self, modules: list[nn.Module]) -> bool:
@@ -92,7 +92,7 @@ class HookDicts:
             before = saved.get(i)
             d = module.__dict__
             if before is None and not any(d.get(name) for name in _HOOK_LISTS):
-                continue  # (the flags' dicts hold entries only beside a hook of these)
+                continue
             for k, name in enumerate(_HOOK_DICTS):
                 current = d.get(name)
                 if not isinstance(current, dict):
@@ -102,7 +102,7 @@ class HookDicts:
                     if current:
                         current.clear()
                         changed = True
-                elif current.keys() != want.keys() or any(current[key] is not value for key, value in want.items()):
+                elif not _holds(current, tuple(want), tuple(want.values())):
                     current.clear()
                     current.update(want)
                     changed = True

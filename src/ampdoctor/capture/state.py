@@ -22,7 +22,8 @@ from torch.overrides import TorchFunctionMode
 from .cleanup import cleaned, on_cleanup, uninterrupted
 from .exclusive import claim_modules
 from .fingerprints import fingerprints as fingerprints
-from .module_entries import Entries, HookDicts, packed
+from .fingerprints import packed
+from .module_entries import Entries, HookDicts
 
 
 def _cuda_ready() -> bool:
