@@ -84,3 +84,40 @@ def test_a_pass_leaves_nothing_for_the_cyclic_collector(monkeypatch: pytest.Monk
     assert str(report.verdict) == ("overflow" if failing else "healthy")
     assert len(made) >= 5  # every kind was made (a pass each at least)
     assert alive == []
+
+
+def test_diagnoses_in_two_threads_at_once_give_the_collector_back() -> None:
+    """The collector is process-wide: the second diagnosis to start saw it off (the first's pause), and putting
+    back what it saw left it off for good once both were done."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=30)
+
+    class Meets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.met = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.met:  # both diagnoses are inside their first pass here, at the same time
+                self.met = True
+                barrier.wait()
+            return self.lin(x)
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            ampdoctor.diagnose(Meets(), torch.randn(3, 4), loss_fn=lambda o, _b: o.float().mean(), progress=False)
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    assert gc.isenabled()
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert gc.isenabled()

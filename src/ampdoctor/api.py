@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 from collections.abc import Iterator
 from typing import Any, Optional, Union
 
@@ -35,7 +34,7 @@ from .capture.checks import (
     resolve_scale,
     usable_batch,
 )
-from .capture.cleanup import owns_cleanup
+from .capture.cleanup import owns_cleanup, pause_gc
 from .capture.dtypes import autocast_dtype, dtype_name, model_device_type
 from .capture.emulate import should_emulate_cuda
 from .capture.memory import available_bytes, describe, pass_estimate
@@ -163,15 +162,13 @@ def diagnose(
 
 @contextlib.contextmanager
 def _without_cyclic_gc() -> Iterator[None]:
-    """The cyclic garbage collector off for the diagnosis (the cleanup owner puts the user's setting back, also
-    on Ctrl-C): full collections scanning a diagnosis's records only cost time; passes free by reference counting."""
-    enabled = gc.isenabled()
-    gc.disable()
+    """The cyclic garbage collector off for the diagnosis (one pause shared by diagnoses in other threads: the
+    caller's setting comes back with the last): full collections scanning its records only cost time."""
+    resume = pause_gc()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        resume()
 
 
 @contextlib.contextmanager

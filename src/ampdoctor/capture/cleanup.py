@@ -197,8 +197,47 @@ def _function_depth() -> int:
     return int(torch._C._len_torch_function_stack())
 
 
+# The cyclic garbage collector is process-wide: diagnoses running at once in several threads share one pause of
+# it, the caller's setting taken by the first and put back by the last (each putting back what it saw would leave
+# it off: the second to start saw the first's pause).
+_GC_LOCK = threading.Lock()
+_gc_pauses = 0
+_gc_before = True
+
+
+def pause_gc() -> Callable[[], None]:
+    """Turn the cyclic collector off until the returned (idempotent) resume is called."""
+    global _gc_pauses, _gc_before
+    with _GC_LOCK:
+        if _gc_pauses == 0:
+            _gc_before = gc.isenabled()
+        _gc_pauses += 1
+        gc.disable()
+    resumed = False
+
+    def resume() -> None:
+        global _gc_pauses
+        nonlocal resumed
+        with _GC_LOCK:
+            if resumed:
+                return
+            resumed = True
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_before:
+                gc.enable()
+
+    return resume
+
+
+def _gc_setting() -> bool:
+    """The caller's collector setting: the one before the pauses while any runs."""
+    with _GC_LOCK:
+        return _gc_before if _gc_pauses else gc.isenabled()
+
+
 class TorchState:
-    """The thread-local torch state a pass changes, captured once and put back exactly."""
+    """The thread-local torch state a pass changes, captured once and put back exactly (and the collector's
+    setting, which the last pause puts back while any runs)."""
 
     def __init__(self) -> None:
         self.grad = torch.is_grad_enabled()
@@ -208,7 +247,7 @@ class TorchState:
         self.nesting = _autocast_nesting()
         self.dispatch = _dispatch_depth()
         self.function = _function_depth()
-        self.gc = gc.isenabled()
+        self.gc = _gc_setting()
 
     def changed(self) -> list[str]:
         """What differs now (empty when everything is as captured)."""
@@ -236,10 +275,13 @@ class TorchState:
         torch.set_autocast_cache_enabled(self.cache)
         torch.set_anomaly_enabled(*self.anomaly)
         torch.set_grad_enabled(self.grad)
-        if self.gc:
-            gc.enable()
-        else:
-            gc.disable()
+        with _GC_LOCK:
+            if _gc_pauses:  # another diagnosis (or an outer one) still holds it off: its last resume decides
+                return
+            if self.gc:
+                gc.enable()
+            else:
+                gc.disable()
 
 
 # -- the owner --------------------------------------------------------------------------------------------------

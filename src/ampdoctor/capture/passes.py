@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from ..records import (
     PassTrace,
 )
 from ..thresholds import GRADIENT_KEY
-from .cleanup import cleaned, on_cleanup, uninterrupted
+from .cleanup import cleaned, on_cleanup, pause_gc, uninterrupted
 from .dtypes import autocast_enabled
 from .emulate import cuda_autocast, installed_cuda_policy
 from .hidden import HiddenWatch, watching
@@ -209,7 +208,7 @@ class _Step:
         self.backwards = 0
         self.histograms: Mapping[str, list[int]] = {}
         self.slots: tuple[list[tuple[str, int, bool]], list[tuple[str, int, bool]], int] = ([], [], -1)
-        self.gc_was_enabled = gc.isenabled()
+        self._resume_gc: Optional[Callable[[], None]] = None
         self.depth = module_depth(spec.root)  # for the room its forward and its backward each hold
 
     @property
@@ -283,7 +282,7 @@ class _Step:
         self._undo = on_cleanup(self.close)
         # A pass makes many small Python objects; the cyclic collector running in the middle of it only costs
         # time (nothing here forms cycles that need it before the pass ends).
-        gc.disable()
+        self._resume_gc = pause_gc()
         self.recorder.install(spec.params)
         self.contexts.enter_context(torch.enable_grad())
         self.contexts.enter_context(_anomaly(self.backward_zoom))
@@ -396,8 +395,8 @@ class _Step:
                 # by reference counting, even while the diagnosis keeps the cyclic collector off.
                 self.recorder.paused = self.hidden.paused = None  # type: ignore[assignment]
         finally:
-            if self.gc_was_enabled:
-                gc.enable()
+            if self._resume_gc is not None:
+                self._resume_gc()
             if self._undo is not None:
                 cleaned(self._undo)
                 self._undo = None
